@@ -232,10 +232,15 @@ _SCHEMAS: dict[Kind, tuple[frozenset[FieldTag], frozenset[FieldTag]]] = {
     Kind.CLOSE: (frozenset(), frozenset({_T.META})),
     Kind.CONTROL: (frozenset({_T.META}), frozenset({_T.BLOB})),
     Kind.REPLY: (frozenset({_T.META}), frozenset({_T.BLOB})),
-    Kind.TOKENS: (frozenset({_T.TOKENS, _T.POSITIONS, _T.SEQ_IDS}), frozenset({_T.PARENTS, _T.META})),
+    # Batches may carry their rows' tree node ids (NODES, for pruning in flight) and the KV
+    # operations every stage applies before them (KV_OPS, ordered with the rows they clean).
+    Kind.TOKENS: (
+        frozenset({_T.TOKENS, _T.POSITIONS, _T.SEQ_IDS}),
+        frozenset({_T.PARENTS, _T.NODES, _T.KV_OPS, _T.META}),
+    ),
     Kind.HIDDEN: (
         frozenset({_T.HIDDEN, _T.POSITIONS, _T.SEQ_IDS}),
-        frozenset({_T.TOKENS, _T.PARENTS, _T.META}),
+        frozenset({_T.TOKENS, _T.PARENTS, _T.NODES, _T.KV_OPS, _T.META}),
     ),
     Kind.RESULT: (frozenset({_T.ACCEPTED}), frozenset({_T.NODES, _T.META})),
     Kind.KV_OPS: (frozenset({_T.KV_OPS}), frozenset({_T.META})),
@@ -243,7 +248,7 @@ _SCHEMAS: dict[Kind, tuple[frozenset[FieldTag], frozenset[FieldTag]]] = {
     Kind.PRUNE: (frozenset({_T.NODES}), frozenset({_T.TOKENS, _T.META})),
 }
 # Fields whose first axis is the batch's token count; they must agree within one frame.
-_PER_TOKEN = (_T.TOKENS, _T.POSITIONS, _T.SEQ_IDS, _T.PARENTS, _T.HIDDEN)
+_PER_TOKEN = (_T.TOKENS, _T.POSITIONS, _T.SEQ_IDS, _T.PARENTS, _T.NODES, _T.HIDDEN)
 _PER_TOKEN_KINDS = frozenset({Kind.TOKENS, Kind.HIDDEN})
 
 
@@ -302,6 +307,11 @@ def dequantize_q8(scales: np.ndarray, values: np.ndarray, shape: tuple[int, ...]
     return np.ascontiguousarray(out[:, : shape[-1]]).reshape(shape)
 
 
+def _byte_view(arr: np.ndarray) -> memoryview | bytes:
+    """The bytes of a contiguous array without copying (memoryview cannot cast empty shapes)."""
+    return memoryview(arr).cast("B") if arr.size else b""
+
+
 def _encode_data(tag: FieldTag, enc: Encoding, value: Any) -> tuple[tuple[int, ...], list[bytes | memoryview]]:
     """(dims, data chunks) of one field value."""
     if enc == Encoding.JSON:
@@ -324,7 +334,7 @@ def _encode_data(tag: FieldTag, enc: Encoding, value: Any) -> tuple[tuple[int, .
         if arr.size and (arr.min() < -(2**31) or arr.max() >= 2**31):
             raise WireError(f"{tag.name}: value out of int32 range")
         arr = np.ascontiguousarray(arr, dtype="<i4")
-        return arr.shape, [memoryview(arr).cast("B")]
+        return arr.shape, [_byte_view(arr)]
     if enc == Encoding.BITS:
         if arr.ndim != 2 or arr.dtype != np.bool_:
             raise WireError(f"{tag.name}: bool matrix expected, got {arr.dtype} with {arr.ndim} dims")
@@ -333,13 +343,13 @@ def _encode_data(tag: FieldTag, enc: Encoding, value: Any) -> tuple[tuple[int, .
         raise WireError(f"{tag.name}: float array expected, got dtype {arr.dtype}")
     if enc == Encoding.F32:
         arr = np.ascontiguousarray(arr, dtype="<f4")
-        return arr.shape, [memoryview(arr).cast("B")]
+        return arr.shape, [_byte_view(arr)]
     if enc == Encoding.F16:
         with np.errstate(over="ignore"):
             half = np.ascontiguousarray(arr, dtype="<f2")
         if not np.all(np.isfinite(half)):
             raise WireError(f"{tag.name}: values are NaN/inf or exceed the float16 range; use f32")
-        return arr.shape, [memoryview(half).cast("B")]
+        return arr.shape, [_byte_view(half)]
     if enc == Encoding.Q8:
         scales, q = quantize_q8(arr)
         return arr.shape, [scales.astype("<f2").tobytes(), q.tobytes()]
@@ -667,7 +677,7 @@ def hidden_message(
     meta: Mapping[str, Any] | None = None,
 ) -> Message:
     """A HIDDEN message (stage -> next stage); ``encoding`` is "f16" (default), "f32" or "q8"."""
-    enc = HIDDEN_ENCODINGS.get(encoding, None) if isinstance(encoding, str) else Encoding(encoding)
+    enc = HIDDEN_ENCODINGS.get(encoding) if isinstance(encoding, str) else Encoding(encoding)
     if enc is None:
         raise WireError(f"hidden encoding must be one of {sorted(HIDDEN_ENCODINGS)}, got {encoding!r}")
     f: dict[FieldTag, Any] = {FieldTag.HIDDEN: hidden, FieldTag.POSITIONS: positions, FieldTag.SEQ_IDS: seq_ids}

@@ -115,46 +115,6 @@ def check_request(budget: int, max_depth: int) -> None:
         raise ValueError(f"max_depth must be an integer >= 0, got {max_depth!r}")
 
 
-class Drafter(abc.ABC):
-    """Proposes trees of candidate tokens for the target model to verify in one lap.
-
-    Call order: ``begin`` once per generation, then rounds of ``propose`` (and any number of
-    ``propose_under`` while the ring is busy) closed by one ``accept``.
-    """
-
-    # Start a generation: forget the previous one and index/prefill the prompt.
-    @abc.abstractmethod
-    def begin(self, prompt_tokens: Sequence[int]) -> None: ...
-
-    # Draft up to `budget` nodes, at most `max_depth` deep, under `root` (the last accepted token).
-    @abc.abstractmethod
-    def propose(self, root: int, budget: int, max_depth: int) -> DraftTree: ...
-
-    # FlowSpec expansion: up to `budget` *new* nodes under the node at `path` (tokens below root).
-    @abc.abstractmethod
-    def propose_under(self, path: Sequence[int], budget: int, max_depth: int) -> DraftTree: ...
-
-    # The target accepted these tokens (accepted tree path, then the bonus token); end the round.
-    @abc.abstractmethod
-    def accept(self, accepted_tokens: Sequence[int]) -> None: ...
-
-    @property
-    @abc.abstractmethod
-    def history(self) -> Sequence[int]:
-        """Prompt plus accepted tokens; the last one is the root of the next tree."""
-
-    def _check_root(self, root: int) -> None:
-        """The root must be the last accepted token, or drafter and engine disagree on the text."""
-        hist = self.history
-        if not hist:
-            raise RuntimeError("propose() called before begin(): the drafter has no history")
-        if int(root) != int(hist[-1]):
-            raise ValueError(
-                f"root token {root} is not the last accepted token {hist[-1]}: call accept() "
-                "with every accepted token (path + bonus) before proposing under the new root"
-            )
-
-
 class RoundLedger:
     """Token paths (below the root) already proposed in the current round.
 
@@ -181,6 +141,58 @@ class RoundLedger:
         # The nodes on the way to `under` exist too (they connect the subtree to the root).
         for k in range(1, len(under) + 1):
             self._paths.add(under[:k])
+
+
+class Drafter(abc.ABC):
+    """Proposes trees of candidate tokens for the target model to verify in one lap.
+
+    Call order: ``begin`` once per generation, then rounds of ``propose`` (and any number of
+    ``propose_under`` while the ring is busy) closed by one ``accept``. Drafters are not
+    thread-safe: an engine that expands from another thread must serialise the calls.
+    """
+
+    def __init__(self) -> None:
+        self._ledger = RoundLedger()  # nodes proposed (by anyone) in the current round
+
+    # Start a generation: forget the previous one and index/prefill the prompt.
+    @abc.abstractmethod
+    def begin(self, prompt_tokens: Sequence[int]) -> None: ...
+
+    # Draft up to `budget` nodes, at most `max_depth` deep, under `root` (the last accepted token).
+    @abc.abstractmethod
+    def propose(self, root: int, budget: int, max_depth: int) -> DraftTree: ...
+
+    # FlowSpec expansion: up to `budget` *new* nodes under the node at `path` (tokens below root).
+    @abc.abstractmethod
+    def propose_under(self, path: Sequence[int], budget: int, max_depth: int) -> DraftTree: ...
+
+    # The target accepted these tokens (accepted tree path, then the bonus token); end the round.
+    @abc.abstractmethod
+    def accept(self, accepted_tokens: Sequence[int]) -> None: ...
+
+    # Tell the drafter that these nodes (rooted at `under`) are already in this round's tree.
+    def note_proposed(self, tree: DraftTree, under: Sequence[int] = ()) -> None:
+        """Record nodes proposed by someone else (e.g. the hybrid's other drafter) this round.
+
+        ``propose_under`` will not propose them again. Call after ``propose`` opened the round.
+        """
+        self._ledger.add_tree(tree, tuple(int(t) for t in under))
+
+    @property
+    @abc.abstractmethod
+    def history(self) -> Sequence[int]:
+        """Prompt plus accepted tokens; the last one is the root of the next tree."""
+
+    def _check_root(self, root: int) -> None:
+        """The root must be the last accepted token, or drafter and engine disagree on the text."""
+        hist = self.history
+        if not hist:
+            raise RuntimeError("propose() called before begin(): the drafter has no history")
+        if int(root) != int(hist[-1]):
+            raise ValueError(
+                f"root token {root} is not the last accepted token {hist[-1]}: call accept() "
+                "with every accepted token (path + bonus) before proposing under the new root"
+            )
 
 
 def select_new(

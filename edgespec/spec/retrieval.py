@@ -17,10 +17,9 @@ import math
 from collections.abc import Iterable, Iterator, Sequence
 
 from edgespec.spec.drafters import (
-    DraftTree,
     Drafter,
+    DraftTree,
     Path,
-    RoundLedger,
     check_request,
     select_new,
 )
@@ -93,6 +92,7 @@ class RetrievalDrafter(Drafter):
         max_matches: int = 32,
         discount: float = 1.0,
     ) -> None:
+        super().__init__()
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         if max_matches < 1:
@@ -104,7 +104,6 @@ class RetrievalDrafter(Drafter):
         self.discount = float(discount)
         self._text = _NgramIndex(min_n, max_n)
         self._corpus = _NgramIndex(min_n, max_n)
-        self._ledger = RoundLedger()
         self.add_corpus(corpus)
 
     # -- corpus and history ---------------------------------------------------------------
@@ -161,11 +160,7 @@ class RetrievalDrafter(Drafter):
     def candidates(
         self, under: Path, max_depth: int
     ) -> Iterator[tuple[Path, int, float]]:
-        """Trie nodes below ``under`` as ``(path, token, logprob)``, most frequent first (lazy).
-
-        Parents come before children: a child's count never exceeds its parent's, and ties are
-        broken by depth, then by how recent the occurrence was.
-        """
+        """Trie nodes below ``under`` as ``(path, token, logprob)``, best score first (lazy)."""
         if max_depth == 0:
             return
         tail = self._text.tokens[-self.max_n :] + list(under)
@@ -205,14 +200,20 @@ class RetrievalDrafter(Drafter):
                 node = nxt
         total = len(conts)
         disc = self.discount
-        order = sorted(range(len(count)), key=lambda i: (-count[i], depth[i], i))
+        # Nodes were created parents first, so one pass computes every cumulative score.
+        logprob = [0.0] * len(count)
+        score = [0.0] * len(count)
+        for i, p in enumerate(parent):
+            logprob[i] = math.log(count[i] / ((count[p] if p >= 0 else total) + disc))
+            score[i] = logprob[i] + (score[p] if p >= 0 else 0.0)
+        # Descending score; a child never outscores its parent, and ties go to the shallower
+        # node, then to the more recent occurrence: the order is parents-first.
+        order = sorted(range(len(count)), key=lambda i: (-score[i], depth[i], i))
         paths: dict[int, Path] = {-1: ()}
         for i in order:
-            p = parent[i]
-            path = paths[p] + (token[i],)
+            path = paths[parent[i]] + (token[i],)
             paths[i] = path
-            parent_count = count[p] if p >= 0 else total
-            yield path, token[i], math.log(count[i] / (parent_count + disc))
+            yield path, token[i], logprob[i]
 
     def _propose(self, under: Path, budget: int, max_depth: int) -> DraftTree:
         if budget == 0 or max_depth == 0:

@@ -1,0 +1,264 @@
+"""Python API: ``from edgespec import Ring``.
+
+>>> with Ring.local("qwen2.5-coder-0.5b", stages=2) as ring:          # doctest: +SKIP
+...     out = ring.generate("def fib(n):", max_tokens=64)
+...     print(out.text, out.stats.tokens_per_s)
+
+A ``Ring`` is the head: it owns the tokenizer and chat template (from llama.cpp), the
+drafters and the speculative engine, and drives a chain of stages (local, or on nodes). One
+ring serves one conversation at a time; its KV cache is reused across calls, so a prompt that
+extends the previous one (a chat's next turn) only prefills its new tokens.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .chain import Chain, Sampling
+from .spec.engine import GenerationStats, SpecEngine
+
+SpecMode = str  # "none" | "sync" | "flow" | "auto"
+
+
+@dataclass
+class Generation:
+    """The result of one generation."""
+
+    text: str
+    tokens: list[int]
+    stats: GenerationStats
+    finish_reason: str  # "stop" (EOG or stop sequence) or "length"
+
+
+class TextStream:
+    """Iterator over text pieces as they are accepted; ``.result`` holds the ``Generation``
+    once the iterator is exhausted (or closed)."""
+
+    def __init__(self, pieces: Iterator[str]) -> None:
+        self._pieces = pieces
+        self.result: Generation | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        return self
+
+    def __next__(self) -> str:
+        return next(self._pieces)
+
+    def close(self) -> None:
+        self._pieces.close()  # type: ignore[attr-defined]
+
+
+class _Detok:
+    """Incremental detokenizer that never emits half a UTF-8 character."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tok = tokenizer
+        self.buf = b""
+
+    def push(self, token: int) -> str:
+        self.buf += self.tok.piece(token, special=False)
+        try:
+            text, self.buf = self.buf.decode("utf-8"), b""
+            return text
+        except UnicodeDecodeError as e:
+            if len(self.buf) - e.start > 4:  # not a truncated character: give up on it
+                text, self.buf = self.buf.decode("utf-8", errors="replace"), b""
+                return text
+            text = self.buf[: e.start].decode("utf-8")
+            self.buf = self.buf[e.start:]
+            return text
+
+
+class Ring:
+    """The head of a ring: generate, stream and chat over the stages it drives."""
+
+    def __init__(self, chain: Chain, tokenizer, *, model_name: str, spec: SpecMode = "auto",
+                 drafter_factory: Callable[[], Any] | None = None, n_ctx: int = 4096,
+                 on_close: Callable[[], None] | None = None, engine_options: Mapping[str, Any]
+                 | None = None) -> None:
+        self.chain = chain
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.default_spec = spec
+        self.n_ctx = n_ctx
+        self._on_close = on_close
+        self._lock = threading.Lock()
+        self._drafter = drafter_factory() if drafter_factory is not None else None
+        self.engine = SpecEngine(chain, drafter=self._drafter, n_ctx=n_ctx,
+                                 is_eog=tokenizer.is_eog, **dict(engine_options or {}))
+        self.last: Generation | None = None
+
+    # ---------------------------------------------------------------- construction
+
+    @classmethod
+    def local(cls, model: str | Path = "qwen2.5-coder-0.5b", stages: int = 2, *,
+              draft: str | Path | None = None, spec: SpecMode = "auto", n_ctx: int = 4096,
+              processes: bool = True, hop_ms: float = 0.0, verbose: bool = False,
+              **kwargs: Any) -> Ring:
+        """A ring of ``stages`` windows on this machine.
+
+        With ``processes=True`` (the default) each window runs in its own ``edgespec node``
+        process on loopback, over the same authenticated transport as a LAN ring; with
+        ``processes=False`` all windows run in this process (fast start, for scripts/tests).
+        ``draft`` names a draft model (same tokenizer) for model/hybrid drafting; without it,
+        retrieval drafting is used.
+        """
+        from . import local as _local
+
+        return _local.open_local_ring(cls, model, stages, draft=draft, spec=spec, n_ctx=n_ctx,
+                                      processes=processes, hop_ms=hop_ms, verbose=verbose,
+                                      **kwargs)
+
+    @classmethod
+    def attach(cls, state: str | Path | None = None, **kwargs: Any) -> Ring:
+        """Attach to the ring brought up by ``edgespec ring up`` (its saved state file)."""
+        from . import ring as _ring
+
+        return _ring.attach(cls, state, **kwargs)
+
+    @classmethod
+    def up(cls, model: str | Path = "qwen2.5-coder-0.5b", nodes: str = "auto", *,
+           key: str | Path | None = None, **kwargs: Any) -> Ring:
+        """Discover nodes (``nodes="auto"``: mDNS; or ``"host:port,..."``), plan, load and
+        connect a ring, and return its head."""
+        from . import ring as _ring
+
+        return _ring.up(cls, model, nodes, key=key, **kwargs)
+
+    # ---------------------------------------------------------------- generation
+
+    def _stream_tokens(self, prompt_tokens: list[int], *, max_tokens: int, temperature: float,
+                       top_p: float, top_k: int, seed: int, stop: Sequence[str],
+                       spec: SpecMode | None) -> TextStream:
+        sampling = Sampling(temperature=float(temperature), top_k=int(top_k),
+                            top_p=float(top_p), seed=int(seed))
+        mode = spec or self.default_spec
+        stops = [s for s in stop if s]
+        holdback = max((len(s) for s in stops), default=1) - 1
+        stream = TextStream(iter(()))
+
+        def pieces() -> Iterator[str]:
+            with self._lock:
+                detok = _Detok(self.tokenizer)
+                text = ""
+                emitted = 0
+                tokens: list[int] = []
+                finish = "length"
+                run = self.engine.run(prompt_tokens, max_tokens=max_tokens, sampling=sampling,
+                                      mode=mode)
+                try:
+                    for chunk in run:
+                        done = False
+                        for t in chunk:
+                            if self.tokenizer.is_eog(t):
+                                finish, done = "stop", True
+                                break
+                            tokens.append(t)
+                            text += detok.push(t)
+                            hit = min((i for i in (text.find(s, max(0, emitted - len(s)))
+                                                   for s in stops) if i >= 0), default=-1)
+                            if hit >= 0:
+                                text = text[:hit]
+                                finish, done = "stop", True
+                                break
+                        if done:
+                            break
+                        safe = len(text) - holdback if stops else len(text)
+                        if safe > emitted:
+                            yield text[emitted:safe]
+                            emitted = safe
+                finally:
+                    run.close()
+                if len(text) > emitted:
+                    yield text[emitted:]
+                stats = self.engine.stats
+                stats.tokens = len(tokens)
+                stream.result = Generation(text, tokens, stats, finish)
+                self.last = stream.result
+
+        stream._pieces = pieces()
+        return stream
+
+    def _prompt_tokens(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special=True, parse_special=False)
+        return [int(t) for t in prompt]
+
+    def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 128,
+               temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
+               stop: Sequence[str] = (), spec: SpecMode | None = None) -> TextStream:
+        """Stream the continuation of ``prompt`` (text or token ids) as text pieces."""
+        return self._stream_tokens(self._prompt_tokens(prompt), max_tokens=max_tokens,
+                                   temperature=temperature, top_p=top_p, top_k=top_k,
+                                   seed=seed, stop=stop, spec=spec)
+
+    def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 128,
+                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
+                 stop: Sequence[str] = (), spec: SpecMode | None = None) -> Generation:
+        """Generate a continuation of ``prompt``; greedy by default (``temperature=0``)."""
+        s = self.stream(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                        top_k=top_k, seed=seed, stop=stop, spec=spec)
+        for _ in s:
+            pass
+        assert s.result is not None
+        return s.result
+
+    def stream_chat(self, messages: Sequence[Mapping[str, str]], **kwargs: Any) -> TextStream:
+        """Stream the assistant's answer to ``messages`` (rendered by the model's template)."""
+        tokens = self.tokenizer.chat_tokens(messages, add_generation_prompt=True)
+        return self._stream_tokens(tokens, **_gen_defaults(kwargs))
+
+    def chat(self, messages: Sequence[Mapping[str, str]], **kwargs: Any) -> Generation:
+        """The assistant's answer to ``messages`` ([{"role", "content"}, ...])."""
+        s = self.stream_chat(messages, **kwargs)
+        for _ in s:
+            pass
+        assert s.result is not None
+        return s.result
+
+    def stream_tokens(self, prompt_tokens: Sequence[int], **kwargs: Any) -> TextStream:
+        """Stream from explicit prompt token ids (the chat CLI builds them turn by turn)."""
+        return self._stream_tokens(list(prompt_tokens), **_gen_defaults(kwargs))
+
+    @property
+    def history(self) -> list[int]:
+        """Token ids currently committed in the ring's KV cache."""
+        return list(self.engine.history)
+
+    def reset(self) -> None:
+        """Forget the conversation: clear every stage's KV cache."""
+        with self._lock:
+            self.engine.reset()
+
+    # ---------------------------------------------------------------- lifetime
+
+    def close(self) -> None:
+        """Release the drafter, the chain and (for a local ring) its node processes."""
+        try:
+            if self._drafter is not None and hasattr(self._drafter, "close"):
+                self._drafter.close()
+            self.chain.close()
+        finally:
+            if self._on_close is not None:
+                cb, self._on_close = self._on_close, None
+                cb()
+
+    def __enter__(self) -> Ring:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _gen_defaults(kwargs: dict[str, Any]) -> dict[str, Any]:
+    out = {"max_tokens": 128, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0,
+           "stop": (), "spec": None}
+    unknown = set(kwargs) - set(out)
+    if unknown:
+        raise TypeError(f"unexpected arguments: {sorted(unknown)}")
+    out.update(kwargs)
+    return out

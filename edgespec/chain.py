@@ -1,0 +1,269 @@
+"""The engine's view of a ring of stages: batches go in at stage 0, target tokens come out.
+
+A ``Chain`` hides where the stages run: ``LocalChain`` runs them in this process (tests, the
+one-machine path); ``edgespec.ring.RemoteChain`` runs them on nodes over the network. Both obey
+the same contract, which is what lets the speculative engine stay ignorant of sockets:
+
+- ``submit(batch)``: enqueue a batch; it flows through every stage in submission order.
+  ``batch.pre_ops`` (KV operations) are applied by every stage just before that batch, so a
+  plan can never overtake the rows it depends on.
+- ``next_result()``: the last stage's answer for the next batch, in submission order: for each
+  wanted row, the target model's token there (argmax when greedy, a draw from the target
+  distribution when sampling). Only token ids travel back, never distributions.
+- ``prune(nodes, ops)``: FlowSpec pruning. It may overtake batches in flight: every stage drops
+  rows of pruned tree nodes from batches it has not computed yet, then applies ``ops``.
+- ``kv(ops)``: KV operations ordered after everything submitted so far (commit, reset).
+
+Rows of a batch are tree nodes (``batch.nodes``, unique within one lap); results name the
+nodes they answer for, so a result stays meaningful after rows were pruned on the way.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from .wire import KvOp, KvOpCode
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the last stage picks the target token of a row. temperature 0 = greedy (argmax)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    def as_meta(self) -> dict:
+        return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p,
+                "seed": self.seed}
+
+    @classmethod
+    def from_meta(cls, meta: dict) -> Sampling:
+        return cls(float(meta.get("temperature", 0.0)), int(meta.get("top_k", 0)),
+                   float(meta.get("top_p", 1.0)), int(meta.get("seed", 0)))
+
+
+@dataclass
+class Batch:
+    """One message into the ring: rows of tokens with positions and seq ids."""
+
+    tokens: np.ndarray  # int32 [n]
+    pos: np.ndarray  # int32 [n]
+    seq_ids: list[list[int]]  # per row: the llama.cpp sequences the row belongs to
+    nodes: np.ndarray  # int32 [n]: tree node per row (prefill rows: any unique ids)
+    want: np.ndarray  # bool [n]: rows whose target token the head needs
+    lap: int = 0
+    segment: int = 0
+    pre_ops: list[KvOp] = field(default_factory=list)
+    sampling: Sampling = field(default_factory=Sampling)
+
+    def __post_init__(self) -> None:
+        self.tokens = np.ascontiguousarray(self.tokens, dtype=np.int32)
+        self.pos = np.ascontiguousarray(self.pos, dtype=np.int32)
+        self.nodes = np.ascontiguousarray(self.nodes, dtype=np.int32)
+        self.want = np.ascontiguousarray(self.want, dtype=bool)
+        n = len(self.tokens)
+        if not (len(self.pos) == len(self.seq_ids) == len(self.nodes) == len(self.want) == n):
+            raise ValueError("batch fields disagree on the number of rows")
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def select(self, keep: np.ndarray) -> Batch:
+        """The same batch restricted to rows where ``keep`` is true (pruning in flight)."""
+        idx = np.flatnonzero(keep)
+        return Batch(self.tokens[idx], self.pos[idx], [self.seq_ids[i] for i in idx],
+                     self.nodes[idx], self.want[idx], self.lap, self.segment, self.pre_ops,
+                     self.sampling)
+
+
+@dataclass
+class Result:
+    """The last stage's answer to one batch."""
+
+    lap: int
+    segment: int
+    nodes: np.ndarray  # int32 [k]: the wanted rows that survived pruning
+    targets: np.ndarray  # int32 [k]: the target model's token at each of those nodes
+
+
+class Chain(Protocol):
+    """What the speculative engine needs from a ring (see the module docstring)."""
+
+    n_vocab: int
+    n_stages: int
+
+    def submit(self, batch: Batch) -> None: ...
+    def next_result(self, timeout: float | None = None) -> Result: ...
+    def prune(self, nodes: Iterable[int], ops: Sequence[KvOp] = ()) -> None: ...
+    def kv(self, ops: Sequence[KvOp]) -> None: ...
+    def close(self) -> None: ...
+
+
+# ------------------------------------------------------------------------- target picking
+
+def pick_targets(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> np.ndarray:
+    """Target token for each logits row: argmax, or one independent draw per row.
+
+    Sampling at every tree node and descending while the draw matches a child is exact
+    (SpecExec/FlowSpec): each accepted token is a fresh draw from the target's conditional.
+    """
+    logits = np.asarray(logits, dtype=np.float32)
+    if sampling.greedy:
+        return np.argmax(logits, axis=1).astype(np.int32)
+    out = np.empty(len(logits), dtype=np.int32)
+    for i, row in enumerate(logits):
+        out[i] = _sample_row(row, sampling, rng)
+    return out
+
+
+def _sample_row(row: np.ndarray, s: Sampling, rng: np.random.Generator) -> int:
+    z = row.astype(np.float64) / s.temperature
+    cand = np.arange(len(z))
+    if 0 < s.top_k < len(z):
+        cand = np.argpartition(-z, s.top_k - 1)[: s.top_k]
+    zc = z[cand]
+    order = np.argsort(-zc, kind="stable")
+    cand, zc = cand[order], zc[order]
+    p = np.exp(zc - zc[0])
+    p /= p.sum()
+    if s.top_p < 1.0:
+        keep = int(np.searchsorted(np.cumsum(p), s.top_p) + 1)
+        cand, p = cand[:keep], p[:keep] / p[:keep].sum()
+    return int(cand[rng.choice(len(p), p=p)])
+
+
+def batch_rng(sampling: Sampling, lap: int, segment: int) -> np.random.Generator:
+    """Per-batch random stream: reproducible for a seed, independent across batches."""
+    return np.random.default_rng([sampling.seed & 0xFFFFFFFF, lap, segment])
+
+
+# ----------------------------------------------------------------------- stage execution
+
+class StageWorker:
+    """Runs batches through the windows one process hosts, in ring order.
+
+    Shared by ``LocalChain`` (all windows in one process) and ``edgespec.node`` (the windows
+    of one node). Keeps the set of pruned tree nodes of the current lap so rows still in flight
+    are dropped before they cost compute.
+    """
+
+    def __init__(self, runtimes: Sequence, is_last: bool) -> None:
+        self.runtimes = list(runtimes)
+        self.is_last = is_last
+        self._pruned: set[int] = set()
+        self._pruned_lap = -1
+        self._pending_ops: list[KvOp] = []
+
+    def prune(self, lap: int, nodes: Iterable[int], ops: Sequence[KvOp]) -> None:
+        if lap != self._pruned_lap:
+            self._pruned, self._pruned_lap = set(), lap
+        self._pruned.update(int(n) for n in nodes)
+        self._pending_ops.extend(ops)
+
+    def apply_ops(self, ops: Sequence[KvOp]) -> None:
+        for rt in self.runtimes:
+            apply_kv_ops(rt, ops)
+
+    def _flush_pending(self) -> None:
+        if self._pending_ops:
+            ops, self._pending_ops = self._pending_ops, []
+            self.apply_ops(ops)
+
+    def run(self, batch: Batch, hidden: np.ndarray | None) -> tuple[Batch, np.ndarray | None]:
+        """Process one batch: pending prune ops, then ``pre_ops``, then drop pruned rows and
+        run the remaining rows through every hosted window. Returns the (possibly filtered)
+        batch and the hidden states for the next hop, or target tokens on the last stage."""
+        self._flush_pending()
+        self.apply_ops(batch.pre_ops)
+        if batch.lap == self._pruned_lap and self._pruned:
+            keep = ~np.isin(batch.nodes, np.fromiter(self._pruned, dtype=np.int32))
+            if not keep.all():
+                if hidden is not None:
+                    hidden = hidden[keep]
+                batch = batch.select(keep)
+        if len(batch) == 0:
+            return batch, None
+        x = hidden
+        for i, rt in enumerate(self.runtimes):
+            last_window = self.is_last and i == len(self.runtimes) - 1
+            want = np.flatnonzero(batch.want) if last_window else None
+            if last_window and len(want) == 0:
+                rt_forward(rt, batch, x, want_rows=None, need_output=False)
+                return batch, np.zeros(0, dtype=np.int32)
+            x = rt_forward(rt, batch, x, want_rows=want, need_output=True)
+        if self.is_last:
+            rng = batch_rng(batch.sampling, batch.lap, batch.segment)
+            return batch, pick_targets(x, batch.sampling, rng)
+        return batch, x
+
+
+def rt_forward(rt, batch: Batch, hidden: np.ndarray | None, want_rows, need_output: bool):
+    """One window's forward pass (token ids into a first window, hidden states otherwise)."""
+    inputs = batch.tokens if hidden is None else hidden
+    return rt.forward(inputs, batch.pos, batch.seq_ids, want_rows=want_rows)
+
+
+def apply_kv_ops(rt, ops: Sequence[KvOp]) -> None:
+    """Apply wire-level KV operations to one window's llama.cpp memory."""
+    for op in ops:
+        code = KvOpCode(op.code)
+        if code == KvOpCode.CP:
+            rt.kv_seq_cp(op.seq, op.arg, op.p0, op.p1)
+        elif code == KvOpCode.RM:
+            rt.kv_seq_rm(op.seq, op.p0, op.p1)
+        elif code == KvOpCode.KEEP:
+            rt.kv_seq_keep(op.seq)
+        else:
+            raise ValueError(f"unsupported KV operation {code.name}")
+
+
+class LocalChain:
+    """All stages in this process. Batches are computed lazily, when their result is asked
+    for, so FlowSpec pruning still catches rows "in flight" exactly as on a real ring."""
+
+    def __init__(self, runtimes: Sequence, n_vocab: int) -> None:
+        self.worker = StageWorker(runtimes, is_last=True)
+        self.n_vocab = n_vocab
+        self.n_stages = len(runtimes)
+        self._queue: collections.deque[Batch | list[KvOp]] = collections.deque()
+
+    def submit(self, batch: Batch) -> None:
+        self._queue.append(batch)
+
+    def kv(self, ops: Sequence[KvOp]) -> None:
+        self._queue.append(list(ops))
+
+    def prune(self, nodes: Iterable[int], ops: Sequence[KvOp] = (), lap: int = 0) -> None:
+        self.worker.prune(lap, nodes, ops)
+
+    def next_result(self, timeout: float | None = None) -> Result:
+        while self._queue:
+            item = self._queue.popleft()
+            if isinstance(item, list):
+                self.worker.apply_ops(item)
+                continue
+            batch, targets = self.worker.run(item, None)
+            wanted = batch.nodes[batch.want] if len(batch) else np.zeros(0, np.int32)
+            if targets is None:
+                targets = np.zeros(0, dtype=np.int32)
+            return Result(item.lap, item.segment, wanted, targets)
+        raise RuntimeError("next_result() with nothing submitted")
+
+    def drain(self) -> None:
+        """Apply queued KV operations that no result waits for."""
+        while self._queue and isinstance(self._queue[0], list):
+            self.worker.apply_ops(self._queue.popleft())
+
+    def close(self) -> None:
+        self._queue.clear()

@@ -1,0 +1,499 @@
+"""The one place edgespec loads llama.cpp models and creates contexts (through llama-cpp-python).
+
+Every other module calls these helpers instead of llama_cpp directly, so the machine-specific
+safety settings live in one spot:
+
+* ``OMP_WAIT_POLICY=passive`` is set *before* llama_cpp is imported (DESIGN 3.7): with OpenMP's
+  default busy-waiting, several stage contexts on one host spin against each other and one decode
+  took 2.2 s instead of 66 ms. ``os.environ.setdefault`` keeps a value the user chose.
+* CPU "extra buffer types" (weight repacking, AMX) are OFF by default because the AMX path segfaults
+  in ``ggml_backend_amx_mul_mat`` on the Xeons we test on (DESIGN 3.6). Set
+  ``EDGESPEC_EXTRA_BUFTS=1`` or pass ``use_extra_bufts=True`` to turn them on.
+* llama.cpp's log output is hidden unless :func:`set_verbose` is called (or ``EDGESPEC_VERBOSE=1``).
+
+Handles (:class:`Model`, :class:`Context`) free their llama.cpp objects on :meth:`close` or when
+used as context managers; a context keeps its model alive.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Must precede the first `import llama_cpp` anywhere in the process (OpenMP reads it at start-up).
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+
+import ctypes  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+from collections.abc import Iterable, Mapping, Sequence  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import llama_cpp  # noqa: E402
+
+__all__ = [
+    "Context",
+    "LlamaLoadError",
+    "Model",
+    "Tokenizer",
+    "default_threads",
+    "ggml_function_addresses",
+    "load_model",
+    "new_context",
+    "physical_cores",
+    "set_verbose",
+]
+
+
+class LlamaLoadError(RuntimeError):
+    """llama.cpp refused to load a model file or to create a context."""
+
+
+# --------------------------------------------------------------------------------------------
+# Logging
+
+
+_verbose = os.environ.get("EDGESPEC_VERBOSE", "") not in ("", "0")
+_log_lock = threading.Lock()
+
+
+@llama_cpp.llama_log_callback
+def _log_callback(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    # Runs on llama.cpp's threads: never raise from here.
+    if not _verbose:
+        return
+    try:
+        sys.stderr.write(text.decode("utf-8", errors="replace"))
+        sys.stderr.flush()
+    except Exception:  # noqa: BLE001 - a log write must not crash a decode
+        pass
+
+
+def _install_log_callback() -> None:
+    # The CFUNCTYPE object is a module global, so it outlives every llama.cpp call that may log.
+    llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
+
+
+def set_verbose(verbose: bool) -> None:
+    """Show (True) or hide (False) llama.cpp's own log output on stderr."""
+    global _verbose
+    with _log_lock:
+        _verbose = bool(verbose)
+        _install_log_callback()
+
+
+_backend_ready = False
+
+
+def _ensure_backend() -> None:
+    global _backend_ready
+    if not _backend_ready:
+        with _log_lock:
+            if not _backend_ready:
+                _install_log_callback()
+                llama_cpp.llama_backend_init()
+                _backend_ready = True
+
+
+# --------------------------------------------------------------------------------------------
+# Threads
+
+
+def physical_cores() -> int:
+    """Physical cores usable by this process (hyper-threads counted once)."""
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    try:
+        cores: set[tuple[str, str]] = set()
+        cpu = phys = core = None
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key, value = key.strip(), value.strip()
+                if key == "processor":
+                    cpu, phys, core = int(value), "0", None
+                elif key == "physical id":
+                    phys = value
+                elif key == "core id":
+                    core = value
+                elif not key and cpu is not None:
+                    if allowed is None or cpu in allowed:
+                        cores.add((phys or "0", core if core is not None else str(cpu)))
+                    cpu = None
+        if cpu is not None and (allowed is None or cpu in allowed):
+            cores.add((phys or "0", core if core is not None else str(cpu)))
+        if cores:
+            return len(cores)
+    except OSError:
+        pass
+    return len(allowed) if allowed else (os.cpu_count() or 1)
+
+
+def default_threads(contexts_on_host: int = 1) -> int:
+    """Threads for one llama.cpp context.
+
+    One thread per context when several contexts share this host (they would otherwise fight
+    over the cores), else all physical cores. ``EDGESPEC_THREADS`` overrides both.
+    """
+    env = os.environ.get("EDGESPEC_THREADS")
+    if env:
+        try:
+            value = int(env)
+        except ValueError as e:
+            raise ValueError(f"EDGESPEC_THREADS must be an integer, got {env!r}") from e
+        if value < 1:
+            raise ValueError(f"EDGESPEC_THREADS must be >= 1, got {value}")
+        return value
+    if contexts_on_host > 1:
+        return 1
+    return max(1, physical_cores())
+
+
+# --------------------------------------------------------------------------------------------
+# Models
+
+
+def _extra_bufts_default() -> bool:
+    return os.environ.get("EDGESPEC_EXTRA_BUFTS", "") not in ("", "0")
+
+
+class Model:
+    """A loaded llama.cpp model (``llama_model *``). Free with :meth:`close` or ``with``."""
+
+    def __init__(self, ptr: Any, path: Path, n_gpu_layers: int, vocab_only: bool) -> None:
+        self._ptr = ptr
+        self.path = path
+        self.n_gpu_layers = n_gpu_layers
+        self.vocab_only = vocab_only
+        self._contexts: list[Context] = []
+        self.vocab = llama_cpp.llama_model_get_vocab(ptr)
+        self.n_embd: int = llama_cpp.llama_model_n_embd(ptr)
+        self.n_layer: int = llama_cpp.llama_model_n_layer(ptr)
+        self.n_vocab: int = llama_cpp.llama_vocab_n_tokens(self.vocab)
+
+    @property
+    def ptr(self) -> Any:
+        """The raw ``llama_model *``; raises if the model was closed."""
+        if self._ptr is None:
+            raise RuntimeError(f"model {self.path} is closed")
+        return self._ptr
+
+    @property
+    def closed(self) -> bool:
+        return self._ptr is None
+
+    def meta(self, key: str) -> str | None:
+        """A GGUF metadata value as a string (llama.cpp's rendering), or None if absent."""
+        buf = ctypes.create_string_buffer(4096)
+        n = llama_cpp.llama_model_meta_val_str(self.ptr, key.encode(), buf, len(buf))
+        if n < 0:
+            return None
+        if n >= len(buf):
+            buf = ctypes.create_string_buffer(n + 1)
+            llama_cpp.llama_model_meta_val_str(self.ptr, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", errors="replace")
+
+    def chat_template(self) -> str | None:
+        """The model's default chat template (Jinja source) or None."""
+        raw = llama_cpp.llama_model_chat_template(self.ptr, None)
+        return raw.decode("utf-8") if raw else None
+
+    def close(self) -> None:
+        """Free the model and every context still open on it."""
+        for ctx in list(self._contexts):
+            ctx.close()
+        if self._ptr is not None:
+            llama_cpp.llama_model_free(self._ptr)
+            self._ptr = None
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # last resort; explicit close() is the contract
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"n_layer={self.n_layer} n_embd={self.n_embd}"
+        return f"Model({str(self.path)!r}, {state})"
+
+
+def load_model(
+    path: str | os.PathLike[str],
+    n_gpu_layers: int = 0,
+    use_extra_bufts: bool | None = None,
+    vocab_only: bool = False,
+) -> Model:
+    """Load a GGUF file.
+
+    Args:
+        path: the GGUF file (full model or a shard written by :mod:`edgespec.shard`).
+        n_gpu_layers: layers to offload to a GPU backend (-1 = all); ignored on CPU-only builds.
+        use_extra_bufts: CPU extra buffer types (repacking, AMX). None = ``EDGESPEC_EXTRA_BUFTS``
+            environment variable, default off (AMX segfaults on some Xeons, DESIGN 3.6).
+        vocab_only: load only the vocabulary (enough for a head's tokenizer).
+
+    Raises:
+        FileNotFoundError: no such file.
+        LlamaLoadError: llama.cpp could not load it (corrupt, unsupported, wrong tensors).
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"model file not found: {p}")
+    _ensure_backend()
+    params = llama_cpp.llama_model_default_params()
+    params.n_gpu_layers = int(n_gpu_layers)
+    params.vocab_only = bool(vocab_only)
+    params.use_extra_bufts = _extra_bufts_default() if use_extra_bufts is None else bool(use_extra_bufts)
+    ptr = llama_cpp.llama_model_load_from_file(str(p).encode(), params)
+    if not ptr:
+        raise LlamaLoadError(
+            f"llama.cpp could not load {p} (corrupt or truncated GGUF, or tensors that do not match "
+            "its metadata); call edgespec.llamacpp.set_verbose(True) to see llama.cpp's reason"
+        )
+    return Model(ptr, p, int(n_gpu_layers), bool(vocab_only))
+
+
+# --------------------------------------------------------------------------------------------
+# Contexts
+
+
+class Context:
+    """A llama.cpp context (``llama_context *``) on a :class:`Model`."""
+
+    def __init__(self, model: Model, ptr: Any, params: Any, cb_eval_keepalive: Any) -> None:
+        self.model = model
+        self._ptr = ptr
+        self.n_ctx: int = llama_cpp.llama_n_ctx(ptr)
+        self.n_batch: int = int(params.n_batch)
+        self.n_ubatch: int = int(params.n_ubatch)
+        self.n_seq_max: int = int(params.n_seq_max)
+        self.n_threads: int = int(params.n_threads)
+        self.kv_unified: bool = bool(params.kv_unified)
+        # The ctypes callback object must live as long as the context that may call it.
+        self._cb_eval_keepalive = cb_eval_keepalive
+        model._contexts.append(self)
+
+    @property
+    def ptr(self) -> Any:
+        if self._ptr is None:
+            raise RuntimeError("context is closed")
+        return self._ptr
+
+    @property
+    def closed(self) -> bool:
+        return self._ptr is None
+
+    @property
+    def memory(self) -> Any:
+        """The context's ``llama_memory_t`` (KV cache) handle."""
+        return llama_cpp.llama_get_memory(self.ptr)
+
+    def close(self) -> None:
+        if self._ptr is not None:
+            llama_cpp.llama_free(self._ptr)
+            self._ptr = None
+            try:
+                self.model._contexts.remove(self)
+            except ValueError:
+                pass
+
+    def __enter__(self) -> Context:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def new_context(
+    model: Model,
+    n_ctx: int = 2048,
+    n_batch: int = 512,
+    n_ubatch: int | None = None,
+    n_seq_max: int = 1,
+    kv_unified: bool = True,
+    n_threads: int | None = None,
+    cb_eval: int | Any | None = None,
+    cb_eval_user_data: int | None = None,
+    n_threads_batch: int | None = None,
+    offload_kqv: bool = True,
+    flash_attn: bool | None = None,
+) -> Context:
+    """Create a context.
+
+    Args:
+        n_ctx: KV cells (shared by all sequences when ``kv_unified``).
+        n_batch: largest batch one ``llama_decode`` accepts.
+        n_ubatch: physical micro-batch (default ``n_batch``: one graph per decode).
+        n_seq_max: sequence ids available (tree leaves + 1 for speculative trees, <= 256).
+        kv_unified: one KV buffer for all sequences; required for trees whose tokens carry several
+            seq ids (DESIGN 3.4).
+        n_threads: compute threads (default :func:`default_threads`).
+        cb_eval: eval callback: a C function address (int) or a ctypes
+            ``ggml_backend_sched_eval_callback`` object; see :mod:`edgespec._core` ``HiddenCapture``.
+        cb_eval_user_data: pointer passed to the callback.
+        flash_attn: None = llama.cpp's auto choice.
+    """
+    if n_ctx < 1 or n_batch < 1:
+        raise ValueError(f"n_ctx and n_batch must be positive (got {n_ctx}, {n_batch})")
+    if not 1 <= n_seq_max <= 256:
+        raise ValueError(f"n_seq_max must be in 1..256, got {n_seq_max}")
+    if model.vocab_only:
+        raise ValueError("cannot create a context on a vocab-only model")
+    _ensure_backend()
+    params = llama_cpp.llama_context_default_params()
+    params.n_ctx = int(n_ctx)
+    params.n_batch = int(n_batch)
+    params.n_ubatch = int(n_ubatch if n_ubatch is not None else n_batch)
+    params.n_seq_max = int(n_seq_max)
+    params.kv_unified = bool(kv_unified)
+    threads = int(n_threads) if n_threads is not None else default_threads()
+    params.n_threads = threads
+    params.n_threads_batch = int(n_threads_batch) if n_threads_batch is not None else threads
+    params.offload_kqv = bool(offload_kqv)
+    params.no_perf = True
+    if flash_attn is not None:
+        params.flash_attn_type = (
+            llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        )
+    keepalive = None
+    if cb_eval is not None:
+        if isinstance(cb_eval, int):
+            keepalive = llama_cpp.ggml_backend_sched_eval_callback(cb_eval)
+        else:
+            keepalive = cb_eval
+        params.cb_eval = keepalive
+        params.cb_eval_user_data = ctypes.c_void_p(cb_eval_user_data or 0)
+    ptr = llama_cpp.llama_init_from_model(model.ptr, params)
+    if not ptr:
+        raise LlamaLoadError(
+            f"llama.cpp could not create a context (n_ctx={n_ctx}, n_batch={n_batch}, "
+            f"n_seq_max={n_seq_max}) on {model.path}; out of memory?"
+        )
+    return Context(model, ptr, params, keepalive)
+
+
+# --------------------------------------------------------------------------------------------
+# ggml functions for the C++ eval callback
+
+
+def ggml_function_addresses() -> dict[str, int]:
+    """Addresses of ``ggml_get_name``, ``ggml_nbytes`` and ``ggml_backend_tensor_get``.
+
+    They live in llama_cpp/lib/libggml-base.so, the copy llama.cpp itself uses, so the C++ capture
+    callback (which links neither) can call them.
+    """
+    lib_dir = Path(llama_cpp.__file__).parent / "lib"
+    candidates = sorted(lib_dir.glob("libggml-base.*"))
+    if not candidates:
+        raise LlamaLoadError(f"libggml-base not found in {lib_dir}")
+    lib = ctypes.CDLL(str(candidates[0]))
+    out = {}
+    for name in ("ggml_get_name", "ggml_nbytes", "ggml_backend_tensor_get"):
+        fn = getattr(lib, name)
+        out[name] = ctypes.cast(fn, ctypes.c_void_p).value or 0
+        if not out[name]:
+            raise LlamaLoadError(f"{name} not exported by {candidates[0]}")
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Text
+
+
+class Tokenizer:
+    """Tokenize, detokenize and apply the chat template of a loaded model (vocab-only is enough)."""
+
+    def __init__(self, model: Model) -> None:
+        self.model = model
+        self.vocab = model.vocab
+        self.n_vocab = model.n_vocab
+        self.bos_id: int = llama_cpp.llama_vocab_bos(self.vocab)
+        self.eos_id: int = llama_cpp.llama_vocab_eos(self.vocab)
+        self.add_bos: bool = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
+
+    def encode(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        """Text -> token ids. ``add_special`` adds BOS when the model asks for it;
+        ``parse_special`` turns special-token text (``<|im_start|>``) into its id."""
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        buf = (llama_cpp.llama_token * cap)()
+        n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            cap = -n
+            buf = (llama_cpp.llama_token * cap)()
+            n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
+            if n < 0:
+                raise RuntimeError(f"tokenization failed for {text[:40]!r}")
+        return list(buf[:n])
+
+    def piece(self, token: int, special: bool = True) -> bytes:
+        """The bytes one token stands for (may be a partial UTF-8 sequence)."""
+        self._check_ids([token])
+        buf = ctypes.create_string_buffer(64)
+        n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+        return buf.raw[:n]
+
+    def decode(self, ids: Sequence[int], remove_special: bool = False, unparse_special: bool = False) -> str:
+        """Token ids -> text (invalid UTF-8 replaced)."""
+        ids = list(ids)
+        if not ids:
+            return ""
+        self._check_ids(ids)
+        arr = (llama_cpp.llama_token * len(ids))(*ids)
+        cap = 16 * len(ids) + 16
+        buf = ctypes.create_string_buffer(cap)
+        n = llama_cpp.llama_detokenize(self.vocab, arr, len(ids), buf, cap, remove_special, unparse_special)
+        if n < 0:
+            cap = -n + 1
+            buf = ctypes.create_string_buffer(cap)
+            n = llama_cpp.llama_detokenize(self.vocab, arr, len(ids), buf, cap, remove_special, unparse_special)
+        return buf.raw[:n].decode("utf-8", errors="replace")
+
+    def is_eog(self, token: int) -> bool:
+        """True for end-of-generation tokens (EOS, EOT, ``<|im_end|>``...)."""
+        return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
+
+    def chat_prompt(
+        self,
+        messages: Iterable[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        template: str | None = None,
+    ) -> str:
+        """Render ``messages`` ([{"role":..., "content":...}]) with the model's chat template
+        through llama-cpp-python's Jinja2 formatter (as ``Llama.create_chat_completion`` does)."""
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+        tmpl = template or self.model.chat_template()
+        if not tmpl:
+            raise ValueError(f"{self.model.path} has no chat template; pass template=")
+        bos = self.piece(self.bos_id).decode("utf-8", errors="replace") if self.bos_id >= 0 else ""
+        eos = self.piece(self.eos_id).decode("utf-8", errors="replace") if self.eos_id >= 0 else ""
+        formatter = Jinja2ChatFormatter(tmpl, eos_token=eos, bos_token=bos,
+                                        add_generation_prompt=add_generation_prompt)
+        return formatter(messages=[dict(m) for m in messages]).prompt  # type: ignore[arg-type]
+
+    def chat_tokens(
+        self, messages: Iterable[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Token ids of the rendered chat prompt (the template writes its own special tokens)."""
+        prompt = self.chat_prompt(messages, add_generation_prompt)
+        return self.encode(prompt, add_special=False, parse_special=True)
+
+    def _check_ids(self, ids: Sequence[int]) -> None:
+        for t in ids:
+            if not 0 <= int(t) < self.n_vocab:
+                raise ValueError(f"token id {t} outside the vocabulary (0..{self.n_vocab - 1})")

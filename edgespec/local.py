@@ -1,0 +1,158 @@
+"""A ring on this one machine: N node processes on loopback (the same code path as a LAN
+ring), or all windows in this process. Used by ``Ring.local``, ``edgespec demo`` and tests."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from . import models
+
+_LISTEN = re.compile(r"edgespec node \S+ \((\S+)\) on ([\d.]+):(\d+)")
+
+
+class LocalNodes:
+    """``n`` `edgespec node` processes on 127.0.0.1, one llama.cpp thread each."""
+
+    def __init__(self, n: int, key_file: Path, *, threads: int = 1, verbose: bool = False,
+                 cache_dir: Path | None = None, startup_timeout: float = 60.0) -> None:
+        self.procs: list[subprocess.Popen] = []
+        self.addresses: list[tuple[str, int]] = []
+        env = dict(os.environ)
+        # Several contexts share the cores: passive OpenMP waiting (DESIGN 3.7).
+        env.setdefault("OMP_WAIT_POLICY", "passive")
+        try:
+            for i in range(n):
+                cmd = [sys.executable, "-m", "edgespec"] + (["-v"] if verbose else []) + [
+                    "node", "--port", "0", "--bind", "127.0.0.1", "--no-mdns",
+                    "--name", f"local{i}", "--key-file", str(key_file),
+                    "--threads", str(threads)]
+                if cache_dir is not None:
+                    cmd += ["--cache", str(cache_dir)]
+                p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None if verbose else
+                                     subprocess.DEVNULL, text=True, env=env)
+                self.procs.append(p)
+            deadline = time.monotonic() + startup_timeout
+            for p in self.procs:
+                line = ""
+                while time.monotonic() < deadline:
+                    line = p.stdout.readline() if p.stdout else ""
+                    if not line and p.poll() is not None:
+                        raise RuntimeError(f"local node exited with code {p.returncode}")
+                    m = _LISTEN.search(line)
+                    if m:
+                        self.addresses.append((m.group(2), int(m.group(3))))
+                        break
+                else:
+                    raise RuntimeError("local node did not start in time")
+                # Keep draining stdout so the node never blocks on a full pipe.
+                threading.Thread(target=_drain, args=(p,), daemon=True).start()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        self.procs = []
+
+
+def _drain(p: subprocess.Popen) -> None:
+    with contextlib.suppress(Exception):
+        for _ in p.stdout:  # type: ignore[union-attr]
+            pass
+
+
+def make_drafter(model_path: Path, draft: str | os.PathLike[str] | None, kind: str = "auto"):
+    """The head's drafter: retrieval alone, or hybrid retrieval + draft model."""
+    from .spec import RetrievalDrafter
+
+    if draft is None or kind == "retrieval":
+        return RetrievalDrafter()
+    from .spec import DraftModelDrafter, HybridDrafter
+
+    draft_path = models.resolve(draft)
+    model_drafter = DraftModelDrafter(draft_path, target=model_path)
+    if kind == "model":
+        return model_drafter
+    return HybridDrafter(RetrievalDrafter(), model_drafter)
+
+
+def open_local_ring(cls, model: str | os.PathLike[str], stages: int, *, draft=None,
+                    spec: str = "auto", n_ctx: int = 4096, processes: bool = True,
+                    hop_ms: float = 0.0, verbose: bool = False, drafter: str = "auto",
+                    encoding: str = "f16", threads: int = 1, proxy=None,
+                    ranges=None, rounds: int = 1, **engine: Any):
+    """Build a ``Ring`` (class ``cls``) over ``stages`` windows of ``model`` on this host."""
+    from .llamacpp import Tokenizer, load_model, set_verbose
+    from .shard import even_ranges, read_info
+
+    set_verbose(verbose)
+    model_path = models.resolve(model)
+    info = read_info(model_path)
+    tok_model = load_model(model_path, vocab_only=True)
+    tokenizer = Tokenizer(tok_model)
+    cleanup: list[Any] = [tok_model.close]
+    try:
+        if processes:
+            from .auth import write_key
+            from .ring import form_ring
+
+            tmp = tempfile.TemporaryDirectory(prefix="edgespec-local-")
+            cleanup.append(tmp.cleanup)
+            key_file = write_key(Path(tmp.name) / "ring.key")
+            from .auth import load_key
+
+            nodes = LocalNodes(stages // rounds if rounds > 1 else stages, key_file,
+                               threads=threads, verbose=verbose)
+            cleanup.insert(0, nodes.close)
+            rngs = ranges or even_ranges(info.n_layer, stages)
+            chain = form_ring(nodes.addresses, model_path, load_key(key_file), ranges=rngs,
+                              rounds=rounds, n_ctx=n_ctx, encoding=encoding, profile=False,
+                              proxy=proxy, log_fn=(print if verbose else (lambda s: None)))
+            cleanup.insert(0, chain.close)
+        else:
+            from .chain import LocalChain
+            from .shard import cut_window, fingerprint
+            from .stage import StageRuntime
+
+            fp = fingerprint(model_path)
+            shard_dir = models.home() / "shards"
+            runtimes = []
+            for a, b in (ranges or even_ranges(info.n_layer, stages)):
+                path = cut_window(model_path, (a, b), shard_dir / f"{model_path.stem}."
+                                  f"{fp[:12]}.L{a:03d}-{b:03d}.gguf")
+                rt = StageRuntime(path, n_ctx=n_ctx, n_seq_max=256, n_threads=threads)
+                runtimes.append(rt)
+                cleanup.insert(0, rt.close)
+            chain = LocalChain(runtimes, info.n_vocab)
+        drafter_obj = make_drafter(model_path, draft, drafter)
+    except BaseException:
+        for fn in cleanup:
+            with contextlib.suppress(Exception):
+                fn()
+        raise
+
+    def on_close() -> None:
+        for fn in cleanup:
+            with contextlib.suppress(Exception):
+                fn()
+
+    ring = cls(chain, tokenizer, model_name=Path(model_path).stem, spec=spec,
+               drafter_factory=lambda: drafter_obj, n_ctx=n_ctx, on_close=on_close,
+               engine_options=engine)
+    return ring

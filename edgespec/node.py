@@ -1,0 +1,401 @@
+"""`edgespec node`: the daemon on each device. Hosts stage windows, advertises itself over mDNS,
+and moves batches along the ring.
+
+Frames a node handles (all over authenticated connections, see ``edgespec.transport``):
+
+- CONTROL ``{"op": ...}``: ``health``, ``profile``, ``load``, ``connect``, ``reset``,
+  ``shard_begin``/``shard_chunk`` (shard upload), ``echo`` (bandwidth probe), ``shutdown``.
+- TOKENS / HIDDEN: a batch for one of this node's stages (``META.stage``). It joins that
+  stage's queue; the stage's worker thread applies the batch's KV operations, drops rows of
+  pruned tree nodes, runs the window, and sends the hidden states to the next stage (directly,
+  node to node, not through the head) or, on the last stage, the target tokens to the head.
+- KV_OPS: KV operations ordered with the batches (they travel the ring like a batch).
+- PRUNE: tree nodes rejected by the head's verifier. Applied at once, so rows of those nodes
+  still queued or in flight are dropped before they cost compute.
+
+A failure inside a stage is reported to the head as an ERROR frame; the node keeps serving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import queue
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import PROTOCOL_VERSION, __version__
+from .chain import StageWorker
+from .frames import batch_message, message_batch, result_message
+from .transport import Connection, Frame, FrameServer, TransportError, connect
+from .wire import FieldTag, Kind, Message, WireError, error_message, kv_ops_list
+
+log = logging.getLogger("edgespec.node")
+
+
+@dataclass
+class StageSlot:
+    """One hosted window: its runtime, its place in the ring, and its worker thread."""
+
+    stage: int
+    layer_range: tuple[int, int]
+    runtime: Any
+    is_last: bool
+    worker: StageWorker = field(init=False)
+    inbox: queue.Queue = field(default_factory=queue.Queue)
+    next_local: StageSlot | None = None
+    next_conn: Connection | None = None
+    next_stage: int = -1
+    head_conn: Connection | None = None
+    encoding: str = "f16"
+    thread: threading.Thread | None = None
+    busy_s: float = 0.0
+    batches: int = 0
+
+    def __post_init__(self) -> None:
+        self.worker = StageWorker([self.runtime], is_last=self.is_last)
+
+
+class Node:
+    """A ring member: a FrameServer plus the stages it hosts."""
+
+    def __init__(self, key: bytes, *, name: str | None = None, host: str = "0.0.0.0",
+                 port: int = 0, cache_dir: str | os.PathLike[str] | None = None,
+                 n_gpu_layers: int = 0, n_threads: int | None = None,
+                 node_id: str | None = None) -> None:
+        from . import models
+        from .nodeinfo import load_or_create_node_id
+
+        self.key = key
+        self.cache_dir = Path(cache_dir) if cache_dir else models.home()
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        self.name = name or socket.gethostname()
+        self.node_id = node_id or load_or_create_node_id(self.cache_dir)
+        self.n_gpu_layers = n_gpu_layers
+        self.n_threads = n_threads
+        self.slots: dict[int, StageSlot] = {}
+        self._out_conns: dict[tuple[str, int], Connection] = {}
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self.server = FrameServer(key, node_id=self.node_id, host=host, port=port,
+                                  on_disconnect=self._on_disconnect)
+        self.server.register(Kind.CONTROL, self._on_control)
+        self.server.register(Kind.TOKENS, self._on_batch)
+        self.server.register(Kind.HIDDEN, self._on_batch)
+        self.server.register(Kind.KV_OPS, self._on_kv)
+        self.server.register(Kind.PRUNE, self._on_prune)
+        self._uploads: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ lifetime
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.server.address
+
+    def start(self) -> Node:
+        self.server.start()
+        log.info("node %s (%s) listening on %s:%d", self.name, self.node_id, *self.address)
+        return self
+
+    def wait(self) -> None:
+        while not self._stop.wait(0.5):
+            pass
+
+    def close(self) -> None:
+        self._stop.set()
+        self._unload()
+        self.server.close()
+        for c in list(self._out_conns.values()):
+            c.close("node shutting down")
+        self._out_conns.clear()
+
+    def __enter__(self) -> Node:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _on_disconnect(self, conn: Connection) -> None:
+        with self._lock:
+            for slot in self.slots.values():
+                if slot.head_conn is conn:
+                    slot.head_conn = None
+
+    # ------------------------------------------------------------------ data path
+
+    def _slot(self, msg_stage: int) -> StageSlot:
+        slot = self.slots.get(msg_stage)
+        if slot is None:
+            raise WireError(f"stage {msg_stage} is not hosted by node {self.name}")
+        return slot
+
+    def _on_batch(self, conn: Connection, frame: Frame) -> None:
+        batch, hidden, stage = message_batch(frame.decode())
+        slot = self._slot(stage)
+        if hidden is None and slot.stage != 0:
+            raise WireError(f"stage {stage} takes hidden states, not token ids")
+        if hidden is not None and slot.stage == 0:
+            raise WireError("stage 0 takes token ids, not hidden states")
+        slot.inbox.put(("batch", batch, hidden))
+        return None
+
+    def _on_kv(self, conn: Connection, frame: Frame) -> None:
+        msg = frame.decode()
+        ops = kv_ops_list(msg[FieldTag.KV_OPS])
+        slot = self._slot(int(msg.meta.get("stage", 0)))
+        slot.inbox.put(("kv", ops, None))
+        return None
+
+    def _on_prune(self, conn: Connection, frame: Frame) -> None:
+        msg = frame.decode()
+        nodes = np.asarray(msg[FieldTag.NODES]).tolist()
+        for slot in list(self.slots.values()):
+            slot.worker.prune(msg.lap_id, nodes, ())
+        return None
+
+    def _run_slot(self, slot: StageSlot) -> None:
+        while True:
+            item = slot.inbox.get()
+            if item is None:
+                return
+            kind, a, b = item
+            try:
+                if kind == "kv":
+                    slot.worker.apply_ops(a)
+                    self._send_on(slot, "kv", a)
+                    continue
+                t = time.perf_counter()
+                batch, out = slot.worker.run(a, b)
+                slot.busy_s += time.perf_counter() - t
+                slot.batches += 1
+                if slot.is_last:
+                    targets = out if out is not None else np.zeros(0, np.int32)
+                    self._to_head(slot, result_message(batch, targets))
+                elif out is None:
+                    # Every row was pruned on the way: the head still expects an answer.
+                    self._send_on(slot, "empty", batch)
+                else:
+                    self._send_on(slot, "batch", (batch, out))
+            except Exception as e:  # reported to the head; the stage keeps serving
+                log.exception("stage %d failed", slot.stage)
+                lap = a.lap if kind == "batch" else 0
+                msg = error_message("stage_failed", f"stage {slot.stage} on {self.name}: "
+                                    f"{type(e).__name__}: {e}")
+                msg.lap_id = lap
+                self._to_head(slot, msg)
+
+    def _to_head(self, slot: StageSlot, msg: Message) -> None:
+        conn = slot.head_conn
+        if conn is None:
+            log.warning("stage %d: no head connected; dropping %s", slot.stage, msg.kind.name)
+            return
+        try:
+            conn.send(msg)
+        except TransportError as e:
+            log.warning("stage %d: head unreachable: %s", slot.stage, e)
+
+    def _send_on(self, slot: StageSlot, kind: str, payload: Any) -> None:
+        """Pass work to the next stage: in-process when this node hosts it, else over TCP."""
+        if slot.is_last:
+            return
+        if kind == "empty":
+            batch = payload
+            # Keep the pruned batch's place in the ring with a one-row placeholder would
+            # cost compute; instead tell the head directly that nothing survived.
+            self._to_head(slot, result_message(batch.select(np.zeros(len(batch), bool)),
+                                               np.zeros(0, np.int32)))
+            return
+        if slot.next_local is not None:
+            if kind == "kv":
+                slot.next_local.inbox.put(("kv", payload, None))
+            else:
+                batch, hidden = payload
+                slot.next_local.inbox.put(("batch", batch, np.ascontiguousarray(hidden)))
+            return
+        conn = slot.next_conn
+        if conn is None:
+            raise RuntimeError(f"stage {slot.stage} has no next stage connected")
+        if kind == "kv":
+            conn.send(Message(Kind.KV_OPS, {FieldTag.KV_OPS: list(payload),
+                                             FieldTag.META: {"stage": slot.next_stage}}))
+        else:
+            batch, hidden = payload
+            conn.send(batch_message(batch, hidden, slot.encoding, stage=slot.next_stage))
+
+    # ------------------------------------------------------------------ control
+
+    def _on_control(self, conn: Connection, frame: Frame) -> Message:
+        msg = frame.decode()
+        op = str(msg.meta.get("op", ""))
+        handler = getattr(self, f"_op_{op}", None)
+        if handler is None:
+            return error_message("unknown_op", f"unknown control op {op!r}")
+        body = handler(conn, msg.meta, msg.fields.get(FieldTag.BLOB)) or {}
+        blob = body.pop("_blob", None)
+        fields: dict[FieldTag, Any] = {FieldTag.META: {"ok": True, **body}}
+        if blob is not None:
+            fields[FieldTag.BLOB] = blob
+        return Message(Kind.REPLY, fields)
+
+    def _op_health(self, conn: Connection, meta: dict, blob: Any) -> dict:
+        from .nodeinfo import detect_backend, free_ram_bytes, free_vram_bytes
+
+        return {
+            "node_id": self.node_id, "name": self.name, "version": __version__,
+            "proto": PROTOCOL_VERSION, "backend": detect_backend(),
+            "free_ram": free_ram_bytes(), "free_vram": free_vram_bytes(),
+            "stages": {str(s.stage): {"range": list(s.layer_range), "batches": s.batches,
+                                      "busy_s": round(s.busy_s, 3), "queued": s.inbox.qsize()}
+                       for s in self.slots.values()},
+            "time": time.time(),
+        }
+
+    def _op_echo(self, conn: Connection, meta: dict, blob: Any) -> dict:
+        return {"_blob": bytes(blob) if blob is not None else None}
+
+    def _resolve_model(self, meta: dict) -> Path:
+        from .shard import fingerprint
+
+        path = Path(str(meta.get("model_path", "")))
+        want_fp = meta.get("fingerprint")
+        if path.is_file():
+            if want_fp and fingerprint(path) != want_fp:
+                raise ValueError(f"{path} on {self.name} is another model (fingerprint mismatch)")
+            return path
+        raise FileNotFoundError(f"model {path} is not on node {self.name}; send its shards")
+
+    def _op_profile(self, conn: Connection, meta: dict, blob: Any) -> dict:
+        from .profile import profile_layers
+
+        model = self._resolve_model(meta)
+        return profile_layers(model, cache_dir=self.cache_dir / "shards",
+                              n_threads=self.n_threads, n_gpu_layers=self.n_gpu_layers,
+                              batch_sizes=tuple(meta.get("batch_sizes", (1, 4, 16))))
+
+    def _op_load(self, conn: Connection, meta: dict, blob: Any) -> dict:
+        """Load windows: {"model_path", "fingerprint", "windows": [[stage, a, b, is_last]],
+        "n_ctx", "n_seq_max", "encoding"}."""
+        from .shard import cut_window
+        from .stage import StageRuntime
+
+        model = self._resolve_model(meta)
+        self._unload()
+        loaded = []
+        for stage, a, b, is_last in meta["windows"]:
+            shard_dir = self.cache_dir / "shards"
+            path = cut_window(model, (int(a), int(b)),
+                              shard_dir / f"{model.stem}.{meta.get('fingerprint', 'x')[:12]}"
+                                          f".L{int(a):03d}-{int(b):03d}.gguf")
+            rt = StageRuntime(path, n_ctx=int(meta.get("n_ctx", 4096)),
+                              n_seq_max=int(meta.get("n_seq_max", 256)),
+                              n_threads=self.n_threads, n_gpu_layers=self.n_gpu_layers)
+            slot = StageSlot(int(stage), (int(a), int(b)), rt, bool(is_last),
+                             encoding=str(meta.get("encoding", "f16")))
+            slot.thread = threading.Thread(target=self._run_slot, args=(slot,),
+                                           name=f"edgespec-stage-{stage}", daemon=True)
+            slot.thread.start()
+            with self._lock:
+                self.slots[slot.stage] = slot
+            loaded.append(slot.stage)
+        log.info("node %s loaded stages %s", self.name, loaded)
+        return {"stages": loaded}
+
+    def _op_connect(self, conn: Connection, meta: dict, blob: Any) -> dict:
+        """Wire each hosted stage to its successor: {"links": {stage: {"host", "port",
+        "stage"} | {"local": stage} | "head"}}. Results and errors go to this connection."""
+        for stage_s, link in meta["links"].items():
+            slot = self._slot(int(stage_s))
+            slot.head_conn = conn
+            slot.next_local, slot.next_conn = None, None
+            if link == "head":
+                continue
+            slot.next_stage = int(link["stage"])
+            if "local" in link:
+                slot.next_local = self._slot(int(link["local"]))
+                continue
+            addr = (str(link["host"]), int(link["port"]))
+            with self._lock:
+                out = self._out_conns.get(addr)
+                if out is None or out.closed:
+                    out = connect(addr[0], addr[1], self.key, node_id=self.node_id)
+                    self._out_conns[addr] = out
+            slot.next_conn = out
+        for slot in self.slots.values():
+            slot.head_conn = conn
+        return {"connected": sorted(self.slots)}
+
+    def _op_reset(self, conn: Connection, meta: dict, blob: Any) -> dict:
+        for slot in self.slots.values():
+            slot.inbox.put(("kv", kv_ops_list([(1, 0, -1, -1, 0), (3, 0, -1, -1, 0)]), None))
+        return {}
+
+    def _op_shutdown(self, conn: Connection, meta: dict, blob: Any) -> dict:
+        threading.Timer(0.2, self._stop.set).start()
+        return {}
+
+    def _unload(self) -> None:
+        with self._lock:
+            slots, self.slots = list(self.slots.values()), {}
+        for slot in slots:
+            slot.inbox.put(None)
+            if slot.thread is not None:
+                slot.thread.join(30)
+            with contextlib.suppress(Exception):
+                slot.runtime.close()
+
+
+# ---------------------------------------------------------------------- command line
+
+def add_node_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--port", type=int, default=7654, help="TCP port to listen on (0 = any)")
+    p.add_argument("--bind", default="0.0.0.0", help="address to listen on")
+    p.add_argument("--name", default=None, help="name advertised on the LAN (default: hostname)")
+    p.add_argument("--key-file", default=None,
+                   help="ring key (default: $EDGESPEC_KEY_FILE or the edgespec home's ring.key; "
+                        "copy it from the head, or run `edgespec keygen`)")
+    p.add_argument("--cache", default=None, help="cache directory for models and shards")
+    p.add_argument("--n-gpu-layers", type=int, default=0, help="layers to offload to a GPU")
+    p.add_argument("--threads", type=int, default=None,
+                   help="llama.cpp threads (default: physical cores / hosted windows)")
+    p.add_argument("--no-mdns", action="store_true", help="do not advertise over mDNS")
+
+
+def run_node_command(args: argparse.Namespace) -> int:
+    from .auth import load_key
+    from .discovery import advertise
+    from .nodeinfo import describe_this_node
+
+    key = load_key(args.key_file)
+    node = Node(key, name=args.name, host=args.bind, port=args.port, cache_dir=args.cache,
+                n_gpu_layers=args.n_gpu_layers, n_threads=args.threads)
+    node.start()
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        log.info("signal %d: shutting down", signum)
+        stop.set()
+        node._stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    host, port = node.address
+    print(f"edgespec node {node.name} ({node.node_id}) on {host}:{port}", flush=True)
+    with contextlib.ExitStack() as stack:
+        if not args.no_mdns:
+            info = describe_this_node(node.name, port, node_id=node.node_id,
+                                      cache_dirs=[node.cache_dir])
+            addrs = [host] if host not in ("0.0.0.0", "::") else None
+            stack.enter_context(advertise(info, addresses=addrs))
+        node.wait()
+    node.close()
+    print(f"edgespec node {node.name} stopped", flush=True)
+    return 0

@@ -1,0 +1,341 @@
+"""Forming a ring of nodes, and the head's side of it (``RemoteChain``).
+
+``form_ring`` connects to every node, profiles them (optional), plans the windows, has each
+node load its windows (cutting them from the model file it has, checked by fingerprint),
+wires every stage to its successor (node to node), runs a health lap, and returns the chain.
+The ring state (nodes, plan, model) is saved so that ``edgespec chat``/``serve`` and Python
+can attach to it later (``attach``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .chain import Batch, Result
+from .frames import batch_message, message_result
+from .planner import NodeProfile, Plan, plan_ring
+from .transport import Connection, TransportError, connect
+from .wire import FieldTag, Kind, KvOp, Message, control_message
+
+log = logging.getLogger("edgespec.ring")
+
+Address = tuple[str, int]
+
+
+class RingError(RuntimeError):
+    """The ring could not be formed or lost a member."""
+
+
+def state_path() -> Path:
+    from .models import home
+
+    return home() / "ring.json"
+
+
+@dataclass
+class _Member:
+    """The head's connection to one node, with a reader thread that sorts what comes back."""
+
+    name: str
+    address: Address
+    conn: Connection
+    results: queue.Queue
+    replies: dict[int, queue.Queue] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    thread: threading.Thread | None = None
+    alive: bool = True
+    last_rtt_ms: float = 0.0
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self._read, name=f"edgespec-head-{self.name}",
+                                       daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = self.conn.recv()
+            except Exception as e:  # connection lost: every waiter learns it
+                self.alive = False
+                err = RingError(f"lost node {self.name} ({self.address[0]}:{self.address[1]}): "
+                                f"{e}")
+                self.results.put(err)
+                with self.lock:
+                    for q in self.replies.values():
+                        q.put(err)
+                return
+            rid = msg.request_id
+            if rid and rid in self.replies:
+                with self.lock:
+                    q = self.replies.get(rid)
+                if q is not None:
+                    q.put(msg)
+                    continue
+            if msg.kind == Kind.RESULT:
+                self.results.put(message_result(msg))
+            elif msg.kind == Kind.ERROR:
+                meta = msg.meta
+                self.results.put(RingError(f"{self.name}: {meta.get('code')}: "
+                                           f"{meta.get('message')}"))
+            elif msg.kind == Kind.CLOSE:
+                continue
+            else:
+                log.warning("head: unexpected %s from %s", msg.kind.name, self.name)
+
+    def request(self, op: str, timeout: float = 600.0, blob: bytes | None = None,
+                **body: Any) -> Message:
+        msg = control_message(op, blob=blob, **body)
+        msg.request_id = self.conn.next_request_id()
+        q: queue.Queue = queue.Queue()
+        with self.lock:
+            self.replies[msg.request_id] = q
+        try:
+            t = time.perf_counter()
+            self.conn.send(msg)
+            try:
+                reply = q.get(timeout=timeout)
+            except queue.Empty:
+                raise RingError(f"{self.name} did not answer {op!r} within {timeout} s") from None
+            self.last_rtt_ms = (time.perf_counter() - t) * 1e3
+        finally:
+            with self.lock:
+                self.replies.pop(msg.request_id, None)
+        if isinstance(reply, Exception):
+            raise reply
+        if reply.kind == Kind.ERROR:
+            raise RingError(f"{self.name}: {op} failed: {reply.meta.get('code')}: "
+                            f"{reply.meta.get('message')}")
+        return reply
+
+    def close(self) -> None:
+        self.conn.close("head leaving")
+
+
+class RemoteChain:
+    """The ``Chain`` over a ring of nodes (see ``edgespec.chain``)."""
+
+    def __init__(self, members: list[_Member], plan: Plan, n_vocab: int,
+                 encoding: str = "f16") -> None:
+        self.members = members
+        self.plan = plan
+        self.n_vocab = n_vocab
+        self.n_stages = len(plan.windows)
+        self.encoding = encoding
+        self._first = members[plan.windows[0].node]
+        self._last = members[plan.windows[-1].node]
+        self.bytes_sent = 0
+
+    def submit(self, batch: Batch) -> None:
+        msg = batch_message(batch, stage=0)
+        self._first.conn.send(msg)
+
+    def kv(self, ops: Sequence[KvOp]) -> None:
+        if ops:
+            self._first.conn.send(Message(Kind.KV_OPS, {FieldTag.KV_OPS: list(ops),
+                                                         FieldTag.META: {"stage": 0}}))
+
+    def prune(self, nodes: Iterable[int], ops: Sequence[KvOp] = (), lap: int = 0) -> None:
+        arr = np.fromiter((int(n) for n in nodes), dtype=np.int32)
+        if not len(arr):
+            return
+        msg = Message(Kind.PRUNE, {FieldTag.NODES: arr}, lap_id=lap)
+        for m in self.members:
+            with contextlib.suppress(TransportError):
+                m.conn.send(msg)
+
+    def next_result(self, timeout: float | None = 120.0) -> Result:
+        try:
+            item = self._last.results.get(timeout=timeout)
+        except queue.Empty:
+            raise RingError(f"no result from the ring within {timeout} s") from None
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def close(self) -> None:
+        for m in self.members:
+            m.close()
+
+
+# ----------------------------------------------------------------------- forming a ring
+
+def _connect_members(addresses: Sequence[Address], key: bytes, head_id: str,
+                     proxy: Callable[[Address], Address] | None) -> list[_Member]:
+    members = []
+    for host, port in addresses:
+        target = proxy((host, port)) if proxy else (host, port)
+        conn = connect(target[0], target[1], key, node_id=head_id)
+        m = _Member(conn.peer_node or f"{host}:{port}", (host, port), conn, queue.Queue())
+        m.start()
+        members.append(m)
+    return members
+
+
+def form_ring(addresses: Sequence[Address], model: str | os.PathLike[str], key: bytes, *,
+              ranges: Sequence[tuple[int, int]] | None = None, stages: int | None = None,
+              rounds: int = 1, n_ctx: int = 4096, n_seq_max: int = 256, encoding: str = "f16",
+              profile: bool = True, proxy: Callable[[Address], Address] | None = None,
+              head_id: str = "head", log_fn: Callable[[str], None] = log.info
+              ) -> RemoteChain:
+    """Connect, (profile,) plan, load, wire and check a ring over ``addresses``."""
+    from .shard import fingerprint, read_info
+
+    model_path = Path(model).resolve()
+    info = read_info(model_path)
+    fp = fingerprint(model_path)
+    members = _connect_members(addresses, key, head_id, proxy)
+    try:
+        profiles = []
+        for m in members:
+            h = m.request("health").meta
+            prof = NodeProfile(h["node_id"], h.get("name", m.name), m.address[0], m.address[1],
+                               free_mem=int(h.get("free_ram") or 0), rtt_ms=m.last_rtt_ms)
+            if profile and ranges is None:
+                p = m.request("profile", model_path=str(model_path), fingerprint=fp).meta
+                prof.ms_per_layer = {int(b): float(v) for b, v in p["ms_per_layer"].items()}
+            profiles.append(prof)
+        if ranges is None and stages is not None and stages != len(members) * rounds:
+            raise RingError(f"{stages} stages requested but {len(members)} nodes x {rounds} "
+                            f"rounds")
+        layer_bytes = max(1, model_path.stat().st_size // max(1, info.n_layer))
+        plan = plan_ring(info.n_layer, layer_bytes, profiles, rounds=rounds, ranges=ranges)
+        log_fn("ring plan:\n" + plan.table())
+        # Load: every node its windows (cut from its own copy of the model).
+        for i, m in enumerate(members):
+            wins = [[w.stage, w.start, w.stop, w.stage == len(plan.windows) - 1]
+                    for w in plan.windows if w.node == i]
+            m.request("load", model_path=str(model_path), fingerprint=fp, windows=wins,
+                      n_ctx=n_ctx, n_seq_max=n_seq_max, encoding=encoding)
+        # Wire: each stage to its successor, node to node; the last stage answers the head.
+        for i, m in enumerate(members):
+            links: dict[str, Any] = {}
+            for w in plan.windows:
+                if w.node != i:
+                    continue
+                if w.stage == len(plan.windows) - 1:
+                    links[str(w.stage)] = "head"
+                    continue
+                nxt = plan.windows[w.stage + 1]
+                if nxt.node == i:
+                    links[str(w.stage)] = {"local": nxt.stage, "stage": nxt.stage}
+                else:
+                    host, port = members[nxt.node].address
+                    if proxy:
+                        host, port = proxy((host, port))
+                    links[str(w.stage)] = {"host": host, "port": port, "stage": nxt.stage}
+            m.request("connect", links=links)
+        chain = RemoteChain(members, plan, info.n_vocab, encoding)
+        health_lap(chain)
+        return chain
+    except BaseException:
+        for m in members:
+            m.close()
+        raise
+
+
+def health_lap(chain: RemoteChain) -> float:
+    """One token through every stage and back (then cleared); returns the lap time in ms."""
+    t = time.perf_counter()
+    chain.submit(Batch(np.array([0], np.int32), np.array([0], np.int32), [[0]],
+                       np.zeros(1, np.int32), np.ones(1, bool), lap=0x7FFFFFFF))
+    res = chain.next_result(timeout=120)
+    if len(res.targets) != 1:
+        raise RingError("health lap returned no token")
+    chain.kv([KvOp(1, 0, -1, -1)])
+    return (time.perf_counter() - t) * 1e3
+
+
+def save_state(chain: RemoteChain, model: Path, extra: dict | None = None) -> Path:
+    path = state_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {"model": str(model), "created": time.time(),
+             "nodes": [{"name": m.name, "host": m.address[0], "port": m.address[1]}
+                       for m in chain.members],
+             "plan": chain.plan.as_dict(), **(extra or {})}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state, indent=2))
+    os.replace(tmp, path)
+    return path
+
+
+def load_state(path: str | os.PathLike[str] | None = None) -> dict:
+    p = Path(path) if path else state_path()
+    if not p.exists():
+        raise RingError(f"no ring is up (no state at {p}): run `edgespec ring up` first")
+    return json.loads(p.read_text())
+
+
+def discover(expect: int | None, timeout: float) -> list[Address]:
+    """Node addresses found over mDNS (compatible protocol only)."""
+    from .discovery import browse
+
+    found = browse(timeout=timeout, expect=expect)
+    addrs = []
+    for n in found:
+        if not n.compatible:
+            log.warning("ignoring %s: protocol %s (we speak another)", n.name, n.proto)
+            continue
+        if not n.addresses:
+            continue
+        addrs.append((n.addresses[0], n.port))
+    if expect is not None and len(addrs) < expect:
+        raise RingError(f"found {len(addrs)} node(s) over mDNS within {timeout} s, expected "
+                        f"{expect}: is `edgespec node` running on each device, on this LAN?")
+    return addrs
+
+
+def parse_nodes(spec: str) -> list[Address]:
+    out = []
+    for part in spec.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        host, _, port = part.rpartition(":")
+        if not host or not port.isdigit():
+            raise RingError(f"bad node address {part!r}: expected host:port")
+        out.append((host, int(port)))
+    if not out:
+        raise RingError("no node addresses given")
+    return out
+
+
+def attach_chain(state: dict, key: bytes) -> RemoteChain:
+    """Reconnect to the nodes of a saved ring and take over as its head."""
+    from .planner import Window
+
+    addresses = [(n["host"], int(n["port"])) for n in state["nodes"]]
+    members = _connect_members(addresses, key, "head", None)
+    profiles = [NodeProfile(m.name, m.name, m.address[0], m.address[1]) for m in members]
+    windows = [Window(s, node, a, b) for s, node, a, b in state["plan"]["windows"]]
+    plan = Plan(profiles, windows, int(state["plan"]["n_layer"]))
+    for i, m in enumerate(members):
+        links: dict[str, Any] = {}
+        for w in windows:
+            if w.node != i:
+                continue
+            if w.stage == len(windows) - 1:
+                links[str(w.stage)] = "head"
+            else:
+                nxt = windows[w.stage + 1]
+                host, port = members[nxt.node].address
+                links[str(w.stage)] = ({"local": nxt.stage, "stage": nxt.stage}
+                                       if nxt.node == i else
+                                       {"host": host, "port": port, "stage": nxt.stage})
+        m.request("connect", links=links)
+    from .shard import read_info
+
+    chain = RemoteChain(members, plan, read_info(state["model"]).n_vocab)
+    chain.kv([KvOp(1, 0, -1, -1), KvOp(3, 0)])
+    return chain

@@ -1,0 +1,451 @@
+"""Draft-model drafter: a small GGUF with the target's tokenizer grows a best-first token tree.
+
+Search (SpecExec / EAGLE-2 style): every drafted node scores ``s = s(parent) + log q(token)``.
+A heap holds the candidate children (top-``top_k`` of each decoded node's distribution); each
+step pops the ``width`` best candidates, makes them tree nodes, and decodes those that may still
+get children in **one** ``llama_decode`` call, so a tree of B nodes costs about B / width calls.
+
+KV layout (one llama.cpp context, ``kv_unified=True``, DESIGN 3.4-3.5):
+
+* seq 0 holds the committed text (prompt + accepted tokens) that the draft model has processed;
+* every decoded tree node sits in a *tree sequence*: the first child of a node continues its
+  parent's sequence, any further child gets a fresh sequence that first borrows the parent's
+  path with ``seq_cp(parent_seq, new, -1, parent_pos + 1)`` (no KV data is copied: the cells
+  just gain a sequence id), so each tree sequence is exactly one root-to-node path;
+* ``accept`` walks the accepted tokens down the decoded nodes, moves the deepest one's path into
+  seq 0 with ``seq_cp(..., 0, ...)`` and drops every tree sequence with ``seq_keep(0)``: accepted
+  tokens the draft model already processed are never recomputed; the rest (at least the bonus
+  token) is decoded at the next proposal.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import itertools
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path as FsPath
+
+import numpy as np
+
+# isort: off
+# edgespec.llamacpp must be imported before llama_cpp: it sets OMP_WAIT_POLICY first (DESIGN 3.7).
+from edgespec.llamacpp import Context, Model, load_model, new_context
+import llama_cpp
+
+# isort: on
+from edgespec.spec.drafters import Drafter, DraftTree, Path, check_request, select_new
+
+__all__ = [
+    "DraftModelDrafter",
+    "TokenizerFingerprint",
+    "TokenizerMismatchError",
+    "tokenizer_fingerprint",
+]
+
+_LLAMA_MAX_SEQ = 256  # llama.cpp's compile-time limit on sequence ids per context
+
+
+class TokenizerMismatchError(ValueError):
+    """The draft model's vocabulary differs from the target's: its tokens would mean other text."""
+
+
+@dataclass(frozen=True)
+class TokenizerFingerprint:
+    """Vocabulary size plus a SHA-256 over every token's text (enough to tell tokenizers apart)."""
+
+    n_vocab: int
+    digest: str
+
+
+def _fingerprint_of(model: Model) -> TokenizerFingerprint:
+    vocab, n = model.vocab, model.n_vocab
+    h = hashlib.sha256()
+    get_text = llama_cpp.llama_vocab_get_text
+    for tok in range(n):
+        h.update(get_text(vocab, tok))
+        h.update(b"\0")  # separator: ("ab","c") must differ from ("a","bc")
+    return TokenizerFingerprint(n_vocab=int(n), digest=h.hexdigest())
+
+
+def tokenizer_fingerprint(model: str | os.PathLike[str] | TokenizerFingerprint) -> TokenizerFingerprint:
+    """Fingerprint of a GGUF's tokenizer (loads only its vocabulary: fast, no weights)."""
+    if isinstance(model, TokenizerFingerprint):
+        return model
+    with load_model(model, vocab_only=True) as handle:
+        return _fingerprint_of(handle)
+
+
+# -- the round's tree ------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Node:
+    """One drafted (or path) token of the current round."""
+
+    path: Path  # tokens below the root, () for the root
+    token: int
+    logprob: float  # draft log q(token | parent path); 0 for path nodes the draft never scored
+    parent: _Node | None
+    seq: int = -1  # tree sequence holding this node's KV cell; -1 = not decoded
+    pos: int = -1
+    seq_continued: bool = False  # a child already extends `seq` (further children need new seqs)
+    children: list[tuple[int, float]] | None = None  # top-k (token, logprob) once decoded
+    kids: dict[int, _Node] = field(default_factory=dict)
+
+    def child(self, token: int, logprob: float = 0.0) -> _Node:
+        node = self.kids.get(token)
+        if node is None:
+            node = _Node(self.path + (token,), token, logprob, self)
+            self.kids[token] = node
+        return node
+
+
+class DraftModelDrafter(Drafter):
+    """Tree drafter driven by a small GGUF model sharing the target's tokenizer.
+
+    Args:
+        model_path: the draft GGUF.
+        target: the target's GGUF path or its :class:`TokenizerFingerprint`; the draft model is
+            refused with :class:`TokenizerMismatchError` unless vocab size and token texts match.
+            ``None`` skips the check (only for tests that use the draft as its own target).
+        n_ctx: KV cells: prompt + generated text + one tree must fit.
+        top_k: children considered under each decoded node.
+        width: candidates turned into nodes (and decoded together) per ``llama_decode`` call.
+        max_tree_seqs: tree sequences (about the number of branches) one round may use.
+        n_threads: llama.cpp threads (1 when several contexts share a small host, DESIGN 3.7).
+        n_batch: tokens per decode call when catching up with long prompts.
+    """
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike[str],
+        target: str | os.PathLike[str] | TokenizerFingerprint | None,
+        *,
+        n_ctx: int = 4096,
+        top_k: int = 4,
+        width: int = 8,
+        max_tree_seqs: int = 128,
+        n_threads: int = 1,
+        n_batch: int = 512,
+    ) -> None:
+        super().__init__()
+        if top_k < 1 or width < 1 or n_threads < 1 or n_batch < 1:
+            raise ValueError("top_k, width, n_threads and n_batch must all be >= 1")
+        if not 1 <= max_tree_seqs < _LLAMA_MAX_SEQ:
+            raise ValueError(f"max_tree_seqs must be in [1, {_LLAMA_MAX_SEQ - 1}], got {max_tree_seqs}")
+        self.model_path = FsPath(model_path)
+        self.top_k, self.width = top_k, width
+        self._model: Model | None = None
+        self._ctx: Context | None = None
+        self._batch: llama_cpp.llama_batch | None = None
+        self._model = load_model(self.model_path, use_extra_bufts=False)  # AMX crash, DESIGN 3.6
+        try:
+            self.fingerprint = _fingerprint_of(self._model)
+            if target is not None:
+                wanted = tokenizer_fingerprint(target)
+                if wanted != self.fingerprint:
+                    raise TokenizerMismatchError(
+                        f"draft model {self.model_path.name} has a different tokenizer than the "
+                        f"target ({target if not isinstance(target, TokenizerFingerprint) else 'given fingerprint'}): "
+                        f"draft vocab {self.fingerprint.n_vocab} tokens, sha256 "
+                        f"{self.fingerprint.digest[:12]}, target vocab {wanted.n_vocab} tokens, "
+                        f"sha256 {wanted.digest[:12]}. Pick a draft model from the target's "
+                        "family (same tokenizer), or use the retrieval drafter."
+                    )
+            self.n_vocab = self.fingerprint.n_vocab
+            self.n_ctx = n_ctx
+            self._n_batch = max(n_batch, width, 1)
+            # Unified KV: tree nodes share cells across sequences (DESIGN 3.4).
+            self._ctx = new_context(
+                self._model,
+                n_ctx=n_ctx,
+                n_batch=self._n_batch,
+                n_seq_max=max_tree_seqs + 1,
+                kv_unified=True,
+                n_threads=n_threads,
+            )
+            self._mem = self._ctx.memory
+            self._batch = llama_cpp.llama_batch_init(self._n_batch, 0, 1)
+        except BaseException:
+            self.close()
+            raise
+        self._max_tree_seqs = max_tree_seqs
+        self._history: list[int] = []
+        self._n_kv = 0  # history tokens present in seq 0
+        self._root_children: list[tuple[int, float]] | None = None  # top-k after history[-1]
+        self._root: _Node | None = None
+        self._free_seqs: list[int] = []
+        self.n_decode_calls = 0
+        self.n_decoded_tokens = 0
+
+    # -- lifetime ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Free the llama.cpp context, batch and model (idempotent)."""
+        if self._batch is not None:
+            llama_cpp.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx is not None:
+            self._ctx.close()
+            self._ctx = None
+        if self._model is not None:
+            self._model.close()
+            self._model = None
+
+    def __enter__(self) -> DraftModelDrafter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown may have freed llama_cpp already
+            pass
+
+    # -- Drafter ----------------------------------------------------------------------------
+
+    @property
+    def history(self) -> Sequence[int]:
+        return self._history
+
+    def begin(self, prompt_tokens: Sequence[int]) -> None:
+        toks = self._validated(prompt_tokens)
+        if not toks:
+            raise ValueError("begin() needs at least one prompt token (the first root)")
+        self._require_open()
+        self._end_round()
+        # Keep the KV of the longest common prefix with the previous text (chat turns share
+        # their history); at least the last prompt token is decoded again for its logits.
+        keep, limit = 0, min(self._n_kv, len(toks) - 1)
+        while keep < limit and self._history[keep] == toks[keep]:
+            keep += 1
+        llama_cpp.llama_memory_seq_rm(self._mem, 0, keep, -1)
+        self._history = toks
+        self._n_kv = keep
+        self._root_children = None
+        self._catch_up()  # prefill the prompt now, so the first proposal only drafts
+
+    def propose(self, root: int, budget: int, max_depth: int) -> DraftTree:
+        check_request(budget, max_depth)
+        self._check_root(root)
+        self._require_open()
+        self._end_round()  # a proposal without accept() in between restarts the round
+        return self._search(self._start_round(), budget, max_depth)
+
+    def propose_under(self, path: Sequence[int], budget: int, max_depth: int) -> DraftTree:
+        check_request(budget, max_depth)
+        self._require_open()
+        if not self._history:
+            raise RuntimeError("propose_under() called before begin()")
+        root = self._root if self._root is not None else self._start_round()
+        node = root
+        for tok in self._validated(path):
+            node = node.child(tok)
+        self._decode_chain(node)
+        return self._search(node, budget, max_depth)
+
+    def accept(self, accepted_tokens: Sequence[int]) -> None:
+        toks = self._validated(accepted_tokens)
+        if not self._history:
+            raise RuntimeError("accept() called before begin()")
+        self._require_open()
+        deepest = self._root
+        if deepest is not None and self._n_kv == len(self._history):
+            # Follow the accepted tokens down the nodes that have KV; stop at the first gap.
+            for tok in toks:
+                nxt = deepest.kids.get(tok)
+                if nxt is None or nxt.seq < 0:
+                    break
+                deepest = nxt
+            if deepest is not self._root:
+                root_pos = self._root.pos
+                llama_cpp.llama_memory_seq_cp(self._mem, deepest.seq, 0, root_pos + 1, deepest.pos + 1)
+                self._n_kv += len(deepest.path)
+        if toks:
+            # Every accepted token already decoded: the deepest node's children are the new
+            # root's; otherwise the next catch-up decode computes them.
+            whole = deepest is not None and len(deepest.path) == len(toks)
+            self._root_children = deepest.children if whole else None
+        self._history.extend(toks)
+        self._end_round()
+
+    # -- statistics used by tests and the bench ----------------------------------------------
+
+    @property
+    def n_kv(self) -> int:
+        """History tokens whose KV the draft model holds in its committed sequence."""
+        return self._n_kv
+
+    def seq_pos_max(self, seq: int) -> int:
+        """Highest position stored for ``seq`` (-1 if none): lets tests check the KV layout."""
+        return int(llama_cpp.llama_memory_seq_pos_max(self._mem, seq))
+
+    # -- rounds -------------------------------------------------------------------------------
+
+    def _start_round(self) -> _Node:
+        self._catch_up()
+        root = _Node((), self._history[-1], 0.0, None, seq=0, pos=len(self._history) - 1)
+        root.seq_continued = True  # seq 0 is the committed text: tree nodes never extend it
+        root.children = self._root_children
+        self._root = root
+        return root
+
+    def _end_round(self) -> None:
+        if self._free_seqs != list(range(self._max_tree_seqs, 0, -1)):
+            llama_cpp.llama_memory_seq_keep(self._mem, 0)
+        self._free_seqs = list(range(self._max_tree_seqs, 0, -1))
+        self._root = None
+        self._ledger.clear()
+
+    def _catch_up(self) -> None:
+        """Decode the history tokens seq 0 lacks (prompt, bonus, accepted tokens not drafted)."""
+        pending = self._history[self._n_kv :]
+        if not pending:
+            return
+        for start in range(0, len(pending), self._n_batch):
+            chunk = pending[start : start + self._n_batch]
+            last = start + len(chunk) == len(pending)
+            rows = [(tok, self._n_kv + i, 0, last and i == len(chunk) - 1) for i, tok in enumerate(chunk)]
+            logits = self._decode(rows)
+            self._n_kv += len(chunk)
+        self._root_children = self._top_children(logits)[0]
+
+    # -- search ---------------------------------------------------------------------------------
+
+    def _search(self, under: _Node, budget: int, max_depth: int) -> DraftTree:
+        """Best-first expansion below ``under``; returns up to ``budget`` nodes not yet proposed."""
+        if budget == 0 or max_depth == 0 or under.children is None:
+            return DraftTree.empty()
+        tie = itertools.count()
+        heap: list[tuple[float, int, _Node, int]] = []  # (-score, tie, node, depth below under)
+
+        def push_children(node: _Node, score: float, depth: int) -> None:
+            for tok, lp in node.children or ():
+                kid = node.child(tok, lp)
+                kid.logprob = lp
+                heapq.heappush(heap, (-(score + lp), next(tie), kid, depth + 1))
+
+        push_children(under, 0.0, 0)
+        selected: list[tuple[float, int, _Node]] = []  # (-score, depth, node)
+        n_new = 0
+        while heap and n_new < budget:
+            expand: list[tuple[_Node, float, int]] = []
+            while heap and len(expand) < self.width and n_new < budget:
+                neg, _, node, depth = heapq.heappop(heap)
+                selected.append((neg, depth, node))
+                if node.path not in self._ledger:
+                    n_new += 1
+                if depth < max_depth:
+                    expand.append((node, -neg, depth))
+            if n_new >= budget or not expand:
+                break
+            self._decode_nodes([node for node, _, _ in expand if node.children is None])
+            for node, score, depth in expand:
+                push_children(node, score, depth)
+        # Width-batched pops are best-first only per batch: sort by score (depth breaks ties, so
+        # parents still come first) to hand out the tree in descending score, as FlowSpec cuts it.
+        selected.sort(key=lambda row: (row[0], row[1]))
+        base = len(under.path)
+        rows = [(n.path[base:], n.token, n.logprob) for _, _, n in selected]
+        tree = select_new(rows, under.path, self._ledger, budget)
+        self._ledger.add_tree(tree, under.path)
+        return tree
+
+    def _decode_chain(self, node: _Node) -> None:
+        """Make sure ``node`` and its ancestors are decoded (FlowSpec expansion under a path)."""
+        chain: list[_Node] = []
+        walk: _Node | None = node
+        while walk is not None and walk.children is None:
+            chain.append(walk)
+            walk = walk.parent
+        self._decode_nodes(chain[::-1])
+
+    def _decode_nodes(self, nodes: list[_Node]) -> None:
+        """Decode tree nodes (parents before children) in one call; store their top-k children."""
+        rows: list[tuple[int, int, int, bool]] = []
+        placed: list[_Node] = []
+        for node in nodes:
+            parent = node.parent
+            assert parent is not None, "the root is decoded by _catch_up, never here"
+            if parent.seq < 0:
+                node.children = []  # parent had no free sequence: this node stays a leaf
+                continue
+            if not parent.seq_continued:
+                seq = parent.seq
+                parent.seq_continued = True
+            elif self._free_seqs:
+                seq = self._free_seqs.pop()
+                # Borrow the parent's path (positions <= parent) without copying KV data.
+                llama_cpp.llama_memory_seq_cp(self._mem, parent.seq, seq, -1, parent.pos + 1)
+            else:
+                node.children = []  # out of tree sequences: leave this node unexpanded
+                continue
+            node.seq, node.pos = seq, parent.pos + 1
+            if node.pos >= self.n_ctx:
+                raise RuntimeError(
+                    f"draft context full: position {node.pos} >= n_ctx {self.n_ctx}; "
+                    "create the DraftModelDrafter with a larger n_ctx"
+                )
+            rows.append((node.token, node.pos, seq, True))
+            placed.append(node)
+        for start in range(0, len(rows), self._n_batch):
+            part = placed[start : start + self._n_batch]
+            logits = self._decode(rows[start : start + self._n_batch])
+            for node, kids in zip(part, self._top_children(logits), strict=True):
+                node.children = kids
+
+    # -- llama.cpp calls ---------------------------------------------------------------------
+
+    def _decode(self, rows: list[tuple[int, int, int, bool]]) -> np.ndarray:
+        """One ``llama_decode`` of ``(token, pos, seq, wants_logits)`` rows; returns their logits."""
+        batch = self._batch
+        assert batch is not None and len(rows) <= self._n_batch
+        for i, (tok, pos, seq, out) in enumerate(rows):
+            batch.token[i] = tok
+            batch.pos[i] = pos
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = seq
+            batch.logits[i] = out
+        batch.n_tokens = len(rows)
+        rc = llama_cpp.llama_decode(self._ctx.ptr, batch)
+        if rc == 1:
+            raise RuntimeError(
+                f"draft context full (n_ctx {self.n_ctx}): no KV slot for {len(rows)} tokens"
+            )
+        if rc != 0:
+            raise RuntimeError(f"llama_decode failed with code {rc} on the draft model")
+        self.n_decode_calls += 1
+        self.n_decoded_tokens += len(rows)
+        n_out = sum(1 for r in rows if r[3])
+        ptr = llama_cpp.llama_get_logits(self._ctx.ptr)
+        return np.ctypeslib.as_array(ptr, shape=(n_out, self.n_vocab)).copy()
+
+    def _top_children(self, logits: np.ndarray) -> list[list[tuple[int, float]]]:
+        """Top-k (token, log-softmax) of each logits row, best first."""
+        k = min(self.top_k, logits.shape[1])
+        out = []
+        for row in logits:
+            top = np.argpartition(row, -k)[-k:]
+            top = top[np.argsort(-row[top], kind="stable")]
+            m = float(row.max())
+            lse = m + float(np.log(np.exp(row - m, dtype=np.float64).sum()))
+            out.append([(int(t), float(row[t]) - lse) for t in top])
+        return out
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _validated(self, tokens: Sequence[int]) -> list[int]:
+        toks = [int(t) for t in tokens]
+        bad = [t for t in toks if not 0 <= t < self.fingerprint.n_vocab]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the draft vocabulary [0, {self.fingerprint.n_vocab})")
+        return toks
+
+    def _require_open(self) -> None:
+        if self._ctx is None:
+            raise RuntimeError("the DraftModelDrafter was closed")

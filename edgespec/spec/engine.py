@@ -1,0 +1,523 @@
+"""The speculative engine on the head: drafts trees, drives laps through the chain, verifies,
+and plans the KV rollback every stage applies.
+
+Modes (``mode=``):
+
+- ``none``: pipelined autoregressive decoding, one token per lap (the baseline).
+- ``sync``: one drafted tree per lap, verified as a whole on its return.
+- ``flow`` (FlowSpec): the tree goes out in descending-score segments, back to back, so every
+  stage works at once; each segment's targets are verified as they return (step-wise), rows
+  of rejected branches are pruned everywhere (also in flight), and the head drafts more nodes
+  under the accepted frontier while the ring is busy (dynamic expansion).
+- ``auto``: ``flow`` when the chain has several stages and a drafter exists, else ``sync``
+  with a drafter, else ``none``.
+
+KV discipline (DESIGN section 3): committed tokens live in llama.cpp sequence 0 on every
+stage. A tree's root is the last accepted token, not yet in KV; every tree row carries the
+seq ids of the leaves below it, and each leaf seq first receives the committed prefix. After a
+decision the accepted path is copied into sequence 0 and every other sequence is dropped:
+masked rollback, nothing recomputed. Those operations travel as ``pre_ops`` of the next batch,
+so they reach each stage in order behind the rows they clean up.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .. import core
+from ..chain import Batch, Chain, Sampling
+from ..wire import KvOp, KvOpCode
+from .drafters import Drafter, DraftTree
+
+log = logging.getLogger(__name__)
+
+MODES = ("none", "sync", "flow", "auto")
+
+
+@dataclass
+class GenerationStats:
+    """What one generation cost and gained."""
+
+    mode: str = "none"
+    prompt_tokens: int = 0
+    prefill_tokens: int = 0  # prompt tokens actually computed (the rest came from KV reuse)
+    tokens: int = 0
+    laps: int = 0  # verification results consumed (segments in flow mode)
+    rounds: int = 0  # trees decided
+    accepted_hist: Counter = field(default_factory=Counter)  # tokens gained per round -> count
+    draft_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    rows_sent: int = 0
+    rows_pruned: int = 0
+    budget: int = 0
+    segment: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        """Mean tokens gained per round (accepted draft tokens + the bonus token)."""
+        n = sum(self.accepted_hist.values())
+        return sum(k * v for k, v in self.accepted_hist.items()) / n if n else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "mode": self.mode, "prompt_tokens": self.prompt_tokens,
+            "prefill_tokens": self.prefill_tokens, "tokens": self.tokens, "laps": self.laps,
+            "rounds": self.rounds, "mean_accepted_per_round": round(self.mean_accepted, 3),
+            "accepted_hist": dict(sorted(self.accepted_hist.items())),
+            "draft_ms": round(self.draft_s * 1e3, 2), "prefill_ms": round(self.prefill_s * 1e3, 2),
+            "decode_ms": round(self.decode_s * 1e3, 2),
+            "tokens_per_s": round(self.tokens_per_s, 3), "rows_sent": self.rows_sent,
+            "rows_pruned": self.rows_pruned, "budget": self.budget, "segment": self.segment,
+        }
+
+
+class CostModel:
+    """Chooses the tree budget for the most tokens per second.
+
+    Expected tokens per round for a budget B follow from measured per-rank acceptance: a child
+    ranked r among its siblings (by draft score) matches the target with probability a_r
+    (counted online, with a prior). Under that model the best tree of B nodes holds the B most
+    likely paths, so E[accepted](B) is the sum of the B largest path probabilities (the greedy
+    solution of Sequoia's tree-shape problem). Lap time is a + b*rows, fitted online from the
+    chain's measured laps (seeded from profiling when given); drafting time per node likewise.
+    """
+
+    RANKS = 4
+
+    def __init__(self, lap_ms: tuple[float, float] = (60.0, 2.0), draft_ms_per_node: float = 0.05,
+                 budgets: Sequence[int] = (4, 8, 16, 32, 64)) -> None:
+        self.hits = np.array([6.0, 2.0, 1.0, 0.5])  # prior: 60% top-1, ...
+        self.tries = np.full(self.RANKS, 10.0)
+        self.lap_a, self.lap_b = lap_ms
+        self.draft_ms = draft_ms_per_node
+        self.budgets = tuple(budgets)
+        self._obs: list[tuple[int, float]] = []
+
+    def acceptance(self) -> np.ndarray:
+        return self.hits / self.tries
+
+    def observe_rank(self, rank: int | None, n_children: int) -> None:
+        """One verification step: the target matched the child of ``rank`` (0-based) among
+        ``n_children`` drafted children, or none of them (rank None)."""
+        for r in range(min(n_children, self.RANKS)):
+            if rank is not None and r > rank:
+                break
+            self.tries[r] += 1
+            if rank == r:
+                self.hits[r] += 1
+
+    def observe_lap(self, rows: int, ms: float) -> None:
+        self._obs.append((rows, ms))
+        self._obs = self._obs[-64:]
+        xs = np.array([o[0] for o in self._obs], float)
+        ys = np.array([o[1] for o in self._obs], float)
+        if len(set(xs.tolist())) >= 2:
+            b, a = np.polyfit(xs, ys, 1)
+            self.lap_a, self.lap_b = max(a, 0.1), max(b, 0.0)
+        elif len(xs):
+            self.lap_a = float(ys.mean()) - self.lap_b * float(xs.mean())
+
+    def expected_tokens(self, budget: int) -> float:
+        """E[tokens per round] = E[accepted draft tokens] + 1 bonus, for the best B-node tree."""
+        a = self.acceptance()
+        heap = [(-a[r], r, 1) for r in range(self.RANKS)]  # (-prob, rank, depth)
+        heapq.heapify(heap)
+        total = 0.0
+        for _ in range(budget):
+            if not heap:
+                break
+            negp, _r, d = heapq.heappop(heap)
+            p = -negp
+            total += p
+            if d < 32:
+                for r in range(self.RANKS):
+                    heapq.heappush(heap, (-(p * a[r]), r, d + 1))
+        return total + 1.0
+
+    def choose(self) -> int:
+        best, best_rate = self.budgets[0], -1.0
+        for b in self.budgets:
+            ms = self.lap_a + self.lap_b * (b + 1) + self.draft_ms * b
+            rate = self.expected_tokens(b) / ms
+            if rate > best_rate:
+                best, best_rate = b, rate
+        return best
+
+
+@dataclass
+class _Round:
+    """State of one tree (lap id) while its segments are in flight."""
+
+    lap: int
+    tree: core.TokenTree
+    verifier: core.Verification
+    outstanding: set[int] = field(default_factory=set)  # segment ids not yet answered
+    sent_rows: int = 0
+    next_segment: int = 0
+    t0: float = 0.0
+    expansions: int = 0
+    seg_rows: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+
+class SpecEngine:
+    """Drives generations over a ``Chain``; owns the committed history (KV sequence 0)."""
+
+    def __init__(self, chain: Chain, *, drafter: Drafter | None = None, n_ctx: int = 4096,
+                 is_eog: Callable[[int], bool] = lambda t: False, budget: int | None = None,
+                 max_depth: int = 12, segments: int | None = None, prefill_chunk: int = 256,
+                 cost: CostModel | None = None) -> None:
+        self.chain = chain
+        self.drafter = drafter
+        self.n_ctx = n_ctx
+        self.is_eog = is_eog
+        self.fixed_budget = budget
+        self.max_depth = max_depth
+        self.fixed_segments = segments
+        self.prefill_chunk = prefill_chunk
+        self.cost = cost or CostModel()
+        self.history: list[int] = []  # tokens committed in KV sequence 0 on every stage
+        self.stats = GenerationStats()
+        self._lap = 0
+        self._pending_ops: list[KvOp] = []
+        self._stale: Counter = Counter()  # lap -> results of decided trees still in flight
+
+    # ------------------------------------------------------------------ public
+
+    def reset(self) -> None:
+        """Drop every stage's KV (all sequences) and forget the history."""
+        self._pending_ops = []
+        self.chain.kv([KvOp(KvOpCode.RM, 0, -1, -1), KvOp(KvOpCode.KEEP, 0)])
+        self.history = []
+
+    def resolve_mode(self, mode: str) -> str:
+        if mode not in MODES:
+            raise ValueError(f"spec mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if mode == "auto":
+            if self.drafter is None:
+                return "none"
+            return "flow" if self.chain.n_stages > 1 else "sync"
+        if mode in ("sync", "flow") and self.drafter is None:
+            raise ValueError(f"spec={mode!r} needs a drafter; this ring has none")
+        return mode
+
+    def run(self, prompt: Sequence[int], *, max_tokens: int, sampling: Sampling,
+            mode: str = "auto") -> Iterator[list[int]]:
+        """Generate after ``prompt``; yields the tokens gained by each round, in order.
+
+        Stops after an end-of-generation token (which is yielded) or ``max_tokens`` tokens.
+        """
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError("empty prompt: give at least one token")
+        if len(prompt) + max_tokens > self.n_ctx:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) "
+                             f"exceeds the context size {self.n_ctx}")
+        mode = self.resolve_mode(mode)
+        self.stats = GenerationStats(mode=mode, prompt_tokens=len(prompt))
+        t0 = time.perf_counter()
+        root = self._prefill(prompt)
+        self.stats.prefill_s = time.perf_counter() - t0
+        if self.drafter is not None and mode != "none":
+            td = time.perf_counter()
+            self.drafter.begin(prompt)
+            self.stats.draft_s += time.perf_counter() - td
+        t1 = time.perf_counter()
+        produced = 0
+        try:
+            rounds = {"none": self._rounds_none, "sync": self._rounds_sync,
+                      "flow": self._rounds_flow}[mode](root, sampling)
+            for chunk in rounds:
+                chunk = chunk[: max_tokens - produced]
+                eog = next((i for i, t in enumerate(chunk) if self.is_eog(t)), None)
+                if eog is not None:
+                    chunk = chunk[: eog + 1]
+                produced += len(chunk)
+                self.stats.tokens = produced
+                yield chunk
+                if eog is not None or produced >= max_tokens:
+                    break
+        finally:
+            self.stats.decode_s = time.perf_counter() - t1
+            self._flush_ops()
+
+    # ------------------------------------------------------------------ prefill
+
+    def _prefill(self, prompt: list[int]) -> int:
+        """Bring KV sequence 0 to ``prompt[:-1]``, reusing the longest common prefix with what
+        is already committed; returns the root (the last prompt token, not yet in KV)."""
+        keep = 0
+        limit = min(len(self.history), len(prompt) - 1)
+        while keep < limit and self.history[keep] == prompt[keep]:
+            keep += 1
+        if keep < len(self.history):
+            self._pending_ops.append(KvOp(KvOpCode.RM, 0, keep, -1))
+            del self.history[keep:]
+        todo = prompt[keep:-1]
+        self.stats.prefill_tokens = len(todo) + 1
+        for off in range(0, len(todo), self.prefill_chunk):
+            part = todo[off: off + self.prefill_chunk]
+            n = len(part)
+            pos = np.arange(keep + off, keep + off + n, dtype=np.int32)
+            # No row is wanted: prefill only fills KV. Chunks stream back to back through the
+            # stages, so a long prompt is pipelined across the ring.
+            self._submit(Batch(np.array(part, np.int32), pos, [[0]] * n,
+                               np.arange(n, dtype=np.int32), np.zeros(n, bool), lap=self._new_lap()))
+        for _ in range(0, len(todo), self.prefill_chunk):
+            self.chain.next_result()
+        self.history.extend(todo)
+        return prompt[-1]
+
+    # ------------------------------------------------------------------ helpers
+
+    def _new_lap(self) -> int:
+        self._lap = (self._lap + 1) & 0x7FFFFFFF
+        return self._lap
+
+    def _submit(self, batch: Batch) -> None:
+        if self._pending_ops:
+            batch.pre_ops = self._pending_ops + list(batch.pre_ops)
+            self._pending_ops = []
+        self.stats.rows_sent += len(batch)
+        self.chain.submit(batch)
+
+    def _drain_stale(self) -> None:
+        """Consume results of decided trees still in flight, so the next caller of
+        ``next_result`` gets its own."""
+        while sum(self._stale.values()) > 0:
+            res = self.chain.next_result()
+            if self._stale[res.lap] <= 0:
+                raise RuntimeError(f"unexpected result for lap {res.lap} while draining")
+            self._stale[res.lap] -= 1
+        self._stale.clear()
+
+    def _flush_ops(self) -> None:
+        self._drain_stale()
+        if self._pending_ops:
+            ops, self._pending_ops = self._pending_ops, []
+            self.chain.kv(ops)
+
+    def _commit(self, tokens: Sequence[int]) -> None:
+        self.history.extend(int(t) for t in tokens)
+
+    # ------------------------------------------------------------------ none
+
+    def _rounds_none(self, root: int, sampling: Sampling) -> Iterator[list[int]]:
+        while True:
+            pos = len(self.history)
+            t = time.perf_counter()
+            self._submit(Batch(np.array([root], np.int32), np.array([pos], np.int32), [[0]],
+                               np.zeros(1, np.int32), np.ones(1, bool), lap=self._new_lap(),
+                               sampling=sampling))
+            res = self.chain.next_result()
+            self.cost.observe_lap(1, (time.perf_counter() - t) * 1e3)
+            self.stats.laps += 1
+            self.stats.rounds += 1
+            self.stats.accepted_hist[1] += 1
+            self._commit([root])
+            root = int(res.targets[0])
+            yield [root]
+
+    # ------------------------------------------------------------------ trees
+
+    def _budget(self) -> int:
+        b = self.fixed_budget or self.cost.choose()
+        self.stats.budget = b
+        return b
+
+    def _draft_into(self, tree: core.TokenTree, under_node: int, dt: DraftTree) -> None:
+        if len(dt) == 0:
+            return
+        parents = np.where(dt.parents < 0, under_node, -(dt.parents.astype(np.int64) + 1))
+        # add_nodes: a parent >= 0 is a tree node, -(j+1) refers to entry j of this call.
+        parents = np.where(dt.parents < 0, under_node, parents).astype(np.int32)
+        tree.add_nodes(parents, dt.tokens, dt.logprobs.astype(np.float64))
+
+    def _new_tree(self, root: int, sampling: Sampling, budget: int) -> _Round:
+        assert self.drafter is not None
+        root_pos = len(self.history)
+        tree = core.TokenTree(root, root_pos)
+        td = time.perf_counter()
+        dt = self.drafter.propose(root, budget, self.max_depth)
+        self.stats.draft_s += time.perf_counter() - td
+        self._draft_into(tree, 0, dt)
+        tree.select(budget)
+        verifier = core.Verification(sampling_config(sampling), root_pos)
+        return _Round(self._new_lap(), tree, verifier, t0=time.perf_counter())
+
+    def _send_rows(self, rnd: _Round, sampling: Sampling, n_segments: int) -> None:
+        """Place the tree's pending nodes as rows and send them as ``n_segments`` segments."""
+        _remap, start, stop, ops = rnd.tree.order()
+        if stop <= start:
+            return
+        rnd.verifier.extend(rnd.tree, start, stop)
+        kv = [_op_from_core(op) for op in np.asarray(ops).reshape(-1, 5)]
+        bounds = rnd.tree.segments(start, stop, count=max(1, min(n_segments, stop - start)))
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+            tokens, pos, seqs, nseq, _parents, _depths = rnd.tree.layout(int(a), int(b))
+            seq_ids = [list(map(int, seqs[i, : nseq[i]])) for i in range(len(tokens))]
+            seg = rnd.next_segment
+            rnd.next_segment += 1
+            rnd.outstanding.add(seg)
+            rnd.seg_rows[seg] = (int(a), int(b))
+            self._submit(Batch(tokens, pos, seq_ids, np.arange(a, b, dtype=np.int32),
+                               np.ones(b - a, bool), lap=rnd.lap, segment=seg, pre_ops=kv,
+                               sampling=sampling))
+            kv = []
+        rnd.sent_rows = stop
+
+    def _finish_round(self, rnd: _Round, decision) -> list[int]:
+        """Commit the accepted path into sequence 0 (masked rollback) and return the tokens
+        gained: accepted draft tokens, then the bonus token."""
+        path = [int(r) for r in decision.path]
+        tokens = [int(t) for t in decision.tokens]
+        plan = core.plan_commit(rnd.tree, path)
+        self._pending_ops.extend(_op_from_core(op) for op in np.asarray(plan).reshape(-1, 5))
+        self._commit([rnd.tree.root_token, *tokens])
+        gained = [*tokens, int(decision.bonus)]
+        self.stats.rounds += 1
+        self.stats.accepted_hist[len(gained)] += 1
+        self._observe_acceptance(rnd.tree, path, int(decision.bonus))
+        td = time.perf_counter()
+        if self.drafter is not None:
+            self.drafter.accept(gained)
+        self.stats.draft_s += time.perf_counter() - td
+        return gained
+
+    def _observe_acceptance(self, tree: core.TokenTree, path: list[int], bonus: int) -> None:
+        parents = tree.parents()
+        tokens = tree.tokens()
+        scores = tree.scores()
+        alive = tree.alive()
+        steps = [*path[1:], None]
+        for node, nxt in zip(path, steps, strict=True):
+            kids = [int(c) for c in np.flatnonzero((parents == node) & alive)]
+            if not kids:
+                continue
+            kids.sort(key=lambda c: -scores[c])
+            rank = kids.index(nxt) if nxt is not None else None
+            if nxt is None and bonus in tokens[kids]:
+                rank = None
+            self.cost.observe_rank(rank, len(kids))
+
+    def _rounds_sync(self, root: int, sampling: Sampling) -> Iterator[list[int]]:
+        while True:
+            budget = self._budget()
+            rnd = self._new_tree(root, sampling, budget)
+            self._send_rows(rnd, sampling, 1)
+            res = self.chain.next_result()
+            self.stats.laps += 1
+            self.cost.observe_lap(rnd.sent_rows, (time.perf_counter() - rnd.t0) * 1e3)
+            decision = rnd.verifier.feed_targets(_row_targets(res, 0, rnd.sent_rows), 0)
+            if decision.status != core.ACCEPTED:
+                raise RuntimeError("whole-tree verification did not reach a decision")
+            gained = self._finish_round(rnd, decision)
+            root = gained[-1]
+            yield gained
+
+    def _segments(self, budget: int) -> int:
+        n = self.fixed_segments or max(1, self.chain.n_stages)
+        self.stats.segment = math.ceil(budget / n)
+        return n
+
+    def _rounds_flow(self, root: int, sampling: Sampling) -> Iterator[list[int]]:
+        stale = self._stale  # lap -> results still to come from decided trees
+        while True:
+            budget = self._budget()
+            rnd = self._new_tree(root, sampling, budget)
+            self._send_rows(rnd, sampling, self._segments(budget))
+            decision = None
+            ready: dict[int, object] = {}  # segment -> result, fed in segment order
+            next_seg = 0
+            while decision is None:
+                res = self.chain.next_result()
+                self.stats.laps += 1
+                if res.lap != rnd.lap:
+                    stale[res.lap] -= 1  # a decided tree's segment: already pruned, ignore
+                    continue
+                rnd.outstanding.discard(res.segment)
+                ready[res.segment] = res
+                # A fully pruned segment may answer early (from the stage that dropped it);
+                # the verifier takes rows in order, so feed contiguous segments only.
+                while decision is None and next_seg in ready:
+                    r = ready.pop(next_seg)
+                    a, b = rnd.seg_rows[next_seg]
+                    next_seg += 1
+                    d = rnd.verifier.feed_targets(_row_targets(r, a, b), a)
+                    if d.status == core.ACCEPTED:
+                        decision = d
+                    else:
+                        self._prune_and_expand(rnd, d, sampling)
+                if decision is None and not rnd.outstanding and next_seg not in ready:
+                    raise RuntimeError("flow verification stalled: no segment left in flight")
+            self.cost.observe_lap(rnd.sent_rows, (time.perf_counter() - rnd.t0) * 1e3)
+            if rnd.outstanding:
+                # Everything still in flight belongs to a decided tree: drop it on the way.
+                stale[rnd.lap] += len(rnd.outstanding)
+                self.chain.prune(range(rnd.sent_rows), (), lap=rnd.lap)
+            gained = self._finish_round(rnd, decision)
+            root = gained[-1]
+            yield gained
+
+    def _prune_and_expand(self, rnd: _Round, d, sampling: Sampling) -> None:
+        """After a partial decision: drop rows off the accepted path from batches still in
+        flight, and keep the ring busy by drafting more nodes under the frontier."""
+        dead = core.rejected_rows(rnd.tree, [int(r) for r in d.path], rnd.sent_rows)
+        if len(dead):
+            self.chain.prune(dead.tolist(), (), lap=rnd.lap)
+            self.stats.rows_pruned += len(dead)
+        if self.drafter is None or len(rnd.outstanding) >= max(1, self.chain.n_stages - 1):
+            return
+        frontier = int(d.path[-1])
+        path_tokens = [int(t) for t in d.tokens]
+        seg = self.stats.segment or 4
+        td = time.perf_counter()
+        dt = self.drafter.propose_under(path_tokens, seg, self.max_depth)
+        self.stats.draft_s += time.perf_counter() - td
+        if len(dt) == 0:
+            return
+        self._draft_into(rnd.tree, frontier, dt)
+        rnd.expansions += 1
+        self._send_rows(rnd, sampling, 1)
+
+
+# ---------------------------------------------------------------------- glue to the core
+
+def sampling_config(s: Sampling) -> core.SamplerConfig:
+    return core.SamplerConfig(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                              seed=s.seed & 0xFFFFFFFFFFFFFFFF)
+
+
+def _op_from_core(op) -> KvOp:
+    kind, a, b, p0, p1 = (int(x) for x in op)
+    if kind == core.SEQ_CP:
+        return KvOp(KvOpCode.CP, a, p0, p1, b)
+    if kind == core.SEQ_RM:
+        return KvOp(KvOpCode.RM, a, p0, p1)
+    if kind == core.SEQ_KEEP:
+        return KvOp(KvOpCode.KEEP, a)
+    raise ValueError(f"unknown core op {kind}")
+
+
+def _row_targets(res, lo: int, hi: int) -> np.ndarray:
+    """Targets for rows [lo, hi) from a result; rows pruned on the way get -1 (never read,
+    since a pruned row is off the accepted path)."""
+    out = np.full(hi - lo, -1, dtype=np.int32)
+    if len(res.nodes):
+        idx = res.nodes - lo
+        ok = (idx >= 0) & (idx < hi - lo)
+        out[idx[ok]] = res.targets[ok]
+    return out
+
