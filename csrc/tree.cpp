@@ -77,7 +77,10 @@ int32_t TokenTree::add(int32_t parent, int32_t token, double logprob) {
         throw std::invalid_argument("draft log-prob must be <= 0, got " + std::to_string(logprob));
     logprob = std::min(logprob, 0.0);
     for (int32_t c = first_child_[parent]; c >= 0; c = next_sibling_[c]) {
-        if (!alive_[c] || token_[c] != token) continue;
+        if (token_[c] != token) continue;
+        if (!alive_[c])  // the verifier knows that row: a second one would make the choice ambiguous
+            throw std::invalid_argument("token " + std::to_string(token) + " under node " + std::to_string(parent) +
+                                        " was pruned in this lap; expand under the deepest accepted node");
         if (logprob > lp_[c]) {  // merged duplicate: the better draft evidence wins
             lp_[c] = logprob;
             refresh_scores_from(c);

@@ -112,40 +112,21 @@ class Chain(Protocol):
 
 # ------------------------------------------------------------------------- target picking
 
-def pick_targets(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> np.ndarray:
-    """Target token for each logits row: argmax, or one independent draw per row.
+def pick_targets(logits: np.ndarray, pos: np.ndarray, sampling: Sampling) -> np.ndarray:
+    """Target token after each logits row: argmax, or a seeded draw from the target's
+    distribution (temperature / top-k / top-p).
 
-    Sampling at every tree node and descending while the draw matches a child is exact
-    (SpecExec/FlowSpec): each accepted token is a fresh draw from the target's conditional.
+    The draw for the token at sequence position p uses the C++ core's ``uniform(seed, p)``, so a
+    sampled generation is the same whatever tree or mode produced it, and each accepted token is
+    an exact draw from the target's conditional (SpecExec / FlowSpec verification).
     """
-    logits = np.asarray(logits, dtype=np.float32)
+    from . import core
+
     if sampling.greedy:
-        return np.argmax(logits, axis=1).astype(np.int32)
-    out = np.empty(len(logits), dtype=np.int32)
-    for i, row in enumerate(logits):
-        out[i] = _sample_row(row, sampling, rng)
-    return out
-
-
-def _sample_row(row: np.ndarray, s: Sampling, rng: np.random.Generator) -> int:
-    z = row.astype(np.float64) / s.temperature
-    cand = np.arange(len(z))
-    if 0 < s.top_k < len(z):
-        cand = np.argpartition(-z, s.top_k - 1)[: s.top_k]
-    zc = z[cand]
-    order = np.argsort(-zc, kind="stable")
-    cand, zc = cand[order], zc[order]
-    p = np.exp(zc - zc[0])
-    p /= p.sum()
-    if s.top_p < 1.0:
-        keep = int(np.searchsorted(np.cumsum(p), s.top_p) + 1)
-        cand, p = cand[:keep], p[:keep] / p[:keep].sum()
-    return int(cand[rng.choice(len(p), p=p)])
-
-
-def batch_rng(sampling: Sampling, lap: int, segment: int) -> np.random.Generator:
-    """Per-batch random stream: reproducible for a seed, independent across batches."""
-    return np.random.default_rng([sampling.seed & 0xFFFFFFFF, lap, segment])
+        return core.argmax_rows(np.ascontiguousarray(logits, dtype=np.float32))
+    verifier = core.Verifier(sampling.temperature, sampling.top_k, sampling.top_p,
+                             sampling.seed & 0xFFFFFFFFFFFFFFFF)
+    return verifier.sample_rows(np.ascontiguousarray(logits, dtype=np.float32), pos)
 
 
 # ----------------------------------------------------------------------- stage execution
@@ -203,8 +184,7 @@ class StageWorker:
                 return batch, np.zeros(0, dtype=np.int32)
             x = rt_forward(rt, batch, x, want_rows=want, need_output=True)
         if self.is_last:
-            rng = batch_rng(batch.sampling, batch.lap, batch.segment)
-            return batch, pick_targets(x, batch.sampling, rng)
+            return batch, pick_targets(x, batch.pos[batch.want], batch.sampling)
         return batch, x
 
 

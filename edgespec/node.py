@@ -338,6 +338,10 @@ class Node:
             slot.inbox.put(("kv", kv_ops_list([(1, 0, -1, -1, 0), (3, 0, -1, -1, 0)]), None))
         return {}
 
+    def _op_unload(self, conn: Connection, meta: dict, blob: Any) -> dict:
+        self._unload()
+        return {}
+
     def _op_shutdown(self, conn: Connection, meta: dict, blob: Any) -> dict:
         threading.Timer(0.2, self._stop.set).start()
         return {}

@@ -339,3 +339,50 @@ def attach_chain(state: dict, key: bytes) -> RemoteChain:
     chain = RemoteChain(members, plan, read_info(state["model"]).n_vocab)
     chain.kv([KvOp(1, 0, -1, -1), KvOp(3, 0)])
     return chain
+
+
+# ------------------------------------------------------------------------ Ring constructors
+
+def _head_for(cls, chain: RemoteChain, model: Path, *, spec: str = "auto", draft=None,
+              drafter: str = "auto", n_ctx: int = 4096, on_close=None, **engine: Any):
+    from .llamacpp import Tokenizer, load_model
+    from .local import make_drafter
+
+    tok_model = load_model(model, vocab_only=True)
+
+    def close() -> None:
+        tok_model.close()
+        if on_close is not None:
+            on_close()
+
+    drafter_obj = make_drafter(model, draft, drafter)
+    return cls(chain, Tokenizer(tok_model), model_name=model.stem, spec=spec,
+               drafter_factory=lambda: drafter_obj, n_ctx=n_ctx, on_close=close,
+               engine_options=engine)
+
+
+def attach(cls, state: str | os.PathLike[str] | None = None, *, key: str | None = None,
+           **kwargs: Any):
+    """A head for the ring saved by ``edgespec ring up``."""
+    from .auth import load_key
+
+    st = load_state(state)
+    chain = attach_chain(st, load_key(key or st.get("key_file")))
+    return _head_for(cls, chain, Path(st["model"]), n_ctx=int(st.get("n_ctx", 4096)), **kwargs)
+
+
+def up(cls, model: str | os.PathLike[str], nodes: str = "auto", *, key: str | None = None,
+       expect: int | None = None, timeout: float = 5.0, rounds: int = 1,
+       ranges: Sequence[tuple[int, int]] | None = None, n_ctx: int = 4096,
+       encoding: str = "f16", spec: str = "auto", draft=None, **engine: Any):
+    """Discover (or list) nodes, form the ring, save its state, and return its head."""
+    from .auth import ensure_key
+    from .models import resolve
+
+    key_bytes = ensure_key(key)
+    model_path = resolve(model)
+    addrs = discover(expect, timeout) if nodes == "auto" else parse_nodes(nodes)
+    chain = form_ring(addrs, model_path, key_bytes, ranges=ranges, rounds=rounds, n_ctx=n_ctx,
+                      encoding=encoding)
+    save_state(chain, model_path, {"encoding": encoding, "n_ctx": n_ctx, "key_file": key})
+    return _head_for(cls, chain, model_path, spec=spec, draft=draft, n_ctx=n_ctx, **engine)

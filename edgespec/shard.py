@@ -25,10 +25,12 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import mmap
 import os
 import re
+import struct
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,6 +57,7 @@ __all__ = [
     "read_info",
     "run_shard_command",
     "shard_model",
+    "tensor_names",
     "validate_ranges",
 ]
 
@@ -167,70 +170,203 @@ class Manifest:
 
 
 # --------------------------------------------------------------------------------------------
-# Reading
+# Reading: a small GGUF header parser. gguf.GGUFReader builds a numpy view per string and takes
+# ~6 s on a 152k-token vocabulary; here string arrays are skipped over and every metadata entry
+# is kept as raw bytes, so shards copy them verbatim.
+
+_SCALAR_FMT = {
+    gguf.GGUFValueType.UINT8: "B", gguf.GGUFValueType.INT8: "b", gguf.GGUFValueType.UINT16: "H",
+    gguf.GGUFValueType.INT16: "h", gguf.GGUFValueType.UINT32: "I", gguf.GGUFValueType.INT32: "i",
+    gguf.GGUFValueType.FLOAT32: "f", gguf.GGUFValueType.BOOL: "?", gguf.GGUFValueType.UINT64: "Q",
+    gguf.GGUFValueType.INT64: "q", gguf.GGUFValueType.FLOAT64: "d",
+}
 
 
-def _open(path: str | os.PathLike[str]) -> gguf.GGUFReader:
+@dataclass
+class _KV:
+    key: str
+    vtype: int
+    sub_type: int | None  # element type of an array
+    raw: bytes  # type tag + value, exactly as in the file
+    value: Any  # decoded, except string arrays (None: only their length is known)
+    length: int  # array length (1 for scalars)
+
+
+@dataclass
+class _Tensor:
+    name: str
+    ne: list[int]  # ggml order: ne[0] is the contiguous dimension
+    ggml_type: int
+    offset: int  # absolute file offset of the data
+    nbytes: int
+
+
+class _Header:
+    """Metadata and tensor directory of a GGUF file (little-endian GGUF v2/v3)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.kv: dict[str, _KV] = {}
+        self.tensors: list[_Tensor] = []
+        with open(path, "rb") as f:
+            try:
+                self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            except ValueError as e:  # empty file
+                raise CorruptShardError(f"{path} is not a GGUF file ({e})") from e
+        try:
+            self._parse()
+        except CorruptShardError:
+            self.close()
+            raise
+        except (struct.error, ValueError, UnicodeDecodeError, IndexError, OverflowError) as e:
+            self.close()
+            raise CorruptShardError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from e
+
+    def close(self) -> None:
+        self._mm.close()
+
+    def __enter__(self) -> _Header:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _parse(self) -> None:
+        mm, size = self._mm, len(self._mm)
+        if size < 24:
+            raise CorruptShardError(f"{self.path} is too short for a GGUF header ({size} bytes)")
+        magic, version, n_tensors, n_kv = struct.unpack_from("<IIQQ", mm, 0)
+        if magic != gguf.GGUF_MAGIC:
+            raise CorruptShardError(f"{self.path} is not a GGUF file (bad magic)")
+        if version not in (2, 3):
+            raise CorruptShardError(f"{self.path}: unsupported GGUF version {version}")
+        if n_tensors > 1 << 20 or n_kv > 1 << 20:
+            raise CorruptShardError(f"{self.path}: implausible counts ({n_tensors} tensors, {n_kv} keys)")
+        off = 24
+        for _ in range(n_kv):
+            key, off = self._str(off)
+            start = off
+            (vtype,) = struct.unpack_from("<I", mm, off)
+            off += 4
+            value, sub, length, off = self._value(vtype, off)
+            self.kv[key] = _KV(key, vtype, sub, bytes(mm[start:off]), value, length)
+        infos = []
+        for _ in range(n_tensors):
+            name, off = self._str(off)
+            (n_dims,) = struct.unpack_from("<I", mm, off)
+            if n_dims > 8:
+                raise CorruptShardError(f"{self.path}: tensor {name!r} has {n_dims} dimensions")
+            ne = list(struct.unpack_from(f"<{n_dims}Q", mm, off + 4))
+            off += 4 + 8 * n_dims
+            ggml_type, rel = struct.unpack_from("<IQ", mm, off)
+            off += 12
+            infos.append((name, ne, ggml_type, rel))
+        align = self.alignment
+        data_start = off + (-off % align)
+        for name, ne, ggml_type, rel in infos:
+            try:
+                block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)]
+            except (ValueError, KeyError) as e:
+                raise CorruptShardError(f"{self.path}: tensor {name!r} has unknown type {ggml_type}") from e
+            n_el = 1
+            for d in ne:
+                n_el *= int(d)
+            nbytes = n_el // block * type_size
+            t = _Tensor(name, [int(d) for d in ne], int(ggml_type), data_start + int(rel), nbytes)
+            if t.offset + nbytes > size:
+                raise CorruptShardError(
+                    f"{self.path} is truncated: tensor {name!r} ends at byte {t.offset + nbytes}, "
+                    f"file has {size}")
+            self.tensors.append(t)
+
+    def _str(self, off: int) -> tuple[str, int]:
+        (n,) = struct.unpack_from("<Q", self._mm, off)
+        if off + 8 + n > len(self._mm):
+            raise CorruptShardError(f"{self.path}: string runs past the end of the file")
+        return self._mm[off + 8:off + 8 + n].decode("utf-8"), off + 8 + n
+
+    def _value(self, vtype: int, off: int) -> tuple[Any, int | None, int, int]:
+        mm = self._mm
+        if vtype in _SCALAR_FMT:
+            fmt = "<" + _SCALAR_FMT[vtype]  # type: ignore[index]
+            return struct.unpack_from(fmt, mm, off)[0], None, 1, off + struct.calcsize(fmt)
+        if vtype == gguf.GGUFValueType.STRING:
+            v, off = self._str(off)
+            return v, None, 1, off
+        if vtype == gguf.GGUFValueType.ARRAY:
+            sub, n = struct.unpack_from("<IQ", mm, off)
+            off += 12
+            if sub in _SCALAR_FMT:
+                fmt = _SCALAR_FMT[sub]  # type: ignore[index]
+                width = struct.calcsize(fmt)
+                if off + n * width > len(mm):
+                    raise CorruptShardError(f"{self.path}: array runs past the end of the file")
+                vals = list(struct.unpack_from(f"<{n}{fmt}", mm, off)) if n <= 4096 else None
+                return vals, sub, n, off + n * width
+            if sub == gguf.GGUFValueType.STRING:
+                unpack = struct.Struct("<Q").unpack_from
+                for _ in range(n):  # skip: tokens and merges are copied as raw bytes
+                    off += 8 + unpack(mm, off)[0]
+                if off > len(mm):
+                    raise CorruptShardError(f"{self.path}: string array runs past the end of the file")
+                return None, sub, n, off
+            raise CorruptShardError(f"{self.path}: unsupported metadata array of type {sub}")
+        raise CorruptShardError(f"{self.path}: unknown metadata value type {vtype}")
+
+    # -- accessors
+
+    def get(self, key: str) -> Any:
+        kv = self.kv.get(key)
+        return None if kv is None else kv.value
+
+    @property
+    def alignment(self) -> int:
+        a = self.get("general.alignment")
+        if a is None:
+            return gguf.GGUF_DEFAULT_ALIGNMENT
+        if not isinstance(a, int) or a <= 0 or a & (a - 1):
+            raise CorruptShardError(f"{self.path}: bad general.alignment {a!r}")
+        return a
+
+    def tensor(self, name: str) -> _Tensor | None:
+        for t in self.tensors:
+            if t.name == name:
+                return t
+        return None
+
+    def dims(self) -> tuple[str, int, int, int]:
+        """(architecture, n_layer, n_embd, n_vocab)."""
+        arch = self.get("general.architecture")
+        if not isinstance(arch, str):
+            raise CorruptShardError(f"{self.path} has no general.architecture")
+        n_layer = self.get(f"{arch}.block_count")
+        n_embd = self.get(f"{arch}.embedding_length")
+        if not isinstance(n_layer, int) or not isinstance(n_embd, int):
+            raise CorruptShardError(f"{self.path} lacks {arch}.block_count / {arch}.embedding_length")
+        emb = self.tensor("token_embd.weight")
+        if emb is None or len(emb.ne) != 2:
+            raise CorruptShardError(f"{self.path} has no 2-D token_embd.weight")
+        return arch, n_layer, n_embd, emb.ne[1]
+
+    def fingerprint(self) -> str:
+        arch, n_layer, n_embd, n_vocab = self.dims()
+        h = hashlib.sha256()
+        h.update(json.dumps({"arch": arch, "n_layer": n_layer, "n_embd": n_embd, "n_vocab": n_vocab},
+                            sort_keys=True).encode())
+        mm = self._mm
+        for t in sorted(self.tensors, key=lambda t: t.name):
+            h.update(f"{t.name}|{t.ne}|{t.ggml_type}|{t.nbytes}\n".encode())
+            h.update(mm[t.offset:t.offset + min(t.nbytes, _FP_SAMPLE)])
+            if t.nbytes > _FP_SAMPLE:
+                h.update(mm[t.offset + max(_FP_SAMPLE, t.nbytes - _FP_SAMPLE):t.offset + t.nbytes])
+        return h.hexdigest()[:32]
+
+
+def _open(path: str | os.PathLike[str]) -> _Header:
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"GGUF file not found: {p}")
-    try:
-        return gguf.GGUFReader(p)
-    except Exception as e:  # the reader raises ValueError/IndexError/struct errors on bad bytes
-        raise CorruptShardError(f"{p} is not a readable GGUF file ({type(e).__name__}: {e})") from e
-
-
-def _scalar(reader: gguf.GGUFReader, key: str) -> Any:
-    f = reader.fields.get(key)
-    if f is None:
-        return None
-    v = f.contents()
-    return v
-
-
-def _arch(reader: gguf.GGUFReader, path: Path) -> str:
-    arch = _scalar(reader, "general.architecture")
-    if not isinstance(arch, str):
-        raise CorruptShardError(f"{path} has no general.architecture")
-    return arch
-
-
-def _tensor_map(reader: gguf.GGUFReader) -> dict[str, Any]:
-    return {t.name: t for t in reader.tensors}
-
-
-def _ne(t: Any) -> list[int]:
-    # ggml order: ne[0] is the contiguous dimension (n_embd for token_embd).
-    return [int(x) for x in t.shape]
-
-
-def _model_dims(reader: gguf.GGUFReader, path: Path) -> tuple[str, int, int, int]:
-    arch = _arch(reader, path)
-    n_layer = _scalar(reader, f"{arch}.block_count")
-    n_embd = _scalar(reader, f"{arch}.embedding_length")
-    if n_layer is None or n_embd is None:
-        raise CorruptShardError(f"{path} lacks {arch}.block_count / {arch}.embedding_length")
-    tensors = _tensor_map(reader)
-    emb = tensors.get("token_embd.weight")
-    if emb is None:
-        raise CorruptShardError(f"{path} has no token_embd.weight")
-    n_vocab = _ne(emb)[1]
-    return arch, int(n_layer), int(n_embd), int(n_vocab)
-
-
-def _compute_fingerprint(reader: gguf.GGUFReader, path: Path) -> str:
-    arch, n_layer, n_embd, n_vocab = _model_dims(reader, path)
-    h = hashlib.sha256()
-    h.update(json.dumps({"arch": arch, "n_layer": n_layer, "n_embd": n_embd, "n_vocab": n_vocab},
-                        sort_keys=True).encode())
-    raw = reader.data  # the file as a read-only memmap: only the sampled pages are touched
-    for t in sorted(reader.tensors, key=lambda t: t.name):
-        h.update(f"{t.name}|{_ne(t)}|{int(t.tensor_type)}|{int(t.n_bytes)}\n".encode())
-        start, n = int(t.data_offset), int(t.n_bytes)
-        h.update(bytes(raw[start:start + min(n, _FP_SAMPLE)]))
-        if n > _FP_SAMPLE:
-            h.update(bytes(raw[start + max(_FP_SAMPLE, n - _FP_SAMPLE):start + n]))
-    return h.hexdigest()[:32]
+    return _Header(p)
 
 
 def read_info(path: str | os.PathLike[str]) -> ShardInfo:
@@ -240,17 +376,14 @@ def read_info(path: str | os.PathLike[str]) -> ShardInfo:
         FileNotFoundError, CorruptShardError.
     """
     p = Path(path)
-    reader = _open(p)
-    try:
-        arch, n_layer, n_embd, n_vocab_file = _model_dims(reader, p)
-        fp = _scalar(reader, KEY_FINGERPRINT)
+    with _open(p) as h:
+        arch, n_layer, n_embd, n_vocab_file = h.dims()
+        fp = h.get(KEY_FINGERPRINT)
         if fp is None:
-            return ShardInfo(p, arch, _compute_fingerprint(reader, p), (0, n_layer), n_layer, n_embd,
+            return ShardInfo(p, arch, h.fingerprint(), (0, n_layer), n_layer, n_embd,
                              n_vocab_file, "full", False)
-        rng = _scalar(reader, KEY_RANGE)
-        total = _scalar(reader, KEY_N_LAYER)
-        n_vocab = _scalar(reader, KEY_N_VOCAB)
-        role = _scalar(reader, KEY_ROLE)
+        rng, total = h.get(KEY_RANGE), h.get(KEY_N_LAYER)
+        n_vocab, role = h.get(KEY_N_VOCAB), h.get(KEY_ROLE)
         if rng is None or total is None or n_vocab is None or role is None or len(rng) != 2:
             raise CorruptShardError(f"{p} has {KEY_FINGERPRINT} but incomplete edgespec.* metadata")
         a, b = int(rng[0]), int(rng[1])
@@ -258,17 +391,6 @@ def read_info(path: str | os.PathLike[str]) -> ShardInfo:
             raise CorruptShardError(
                 f"{p}: edgespec.range {a}:{b} disagrees with block_count {n_layer} / n_layer {total}")
         return ShardInfo(p, arch, str(fp), (a, b), int(total), n_embd, int(n_vocab), str(role), True)
-    finally:
-        _close_reader(reader)
-
-
-def _close_reader(reader: gguf.GGUFReader) -> None:
-    mm = getattr(reader.data, "_mmap", None)
-    if mm is not None:
-        try:
-            mm.close()
-        except (BufferError, ValueError):
-            pass  # a view is still alive; the mapping goes with it
 
 
 def fingerprint(path: str | os.PathLike[str]) -> str:
@@ -352,133 +474,132 @@ def _role(a: int, b: int, n_layer: int) -> str:
     return "middle"
 
 
-def _field_value(f: Any) -> tuple[Any, gguf.GGUFValueType, gguf.GGUFValueType | None]:
-    """A reader field as (value, type, sub_type) for GGUFWriter.add_key_value, strings as raw bytes."""
-    main = f.types[0]
-    if main == gguf.GGUFValueType.ARRAY:
-        sub = f.types[-1]
-        if len(f.types) != 2:
-            raise ShardError(f"nested metadata array {f.name!r} is not supported")
-        if sub == gguf.GGUFValueType.STRING:
-            return [bytes(f.parts[i]) for i in f.data], main, sub
-        return [x.item() for i in f.data for x in f.parts[i]], main, sub
-    if main == gguf.GGUFValueType.STRING:
-        return bytes(f.parts[f.data[0]]), main, None
-    return f.parts[f.data[0]][0].item(), main, None
+def _pack_str(text: str) -> bytes:
+    data = text.encode("utf-8")
+    return struct.pack("<Q", len(data)) + data
 
 
-def _window_metadata(reader: gguf.GGUFReader, arch: str, n_layer: int, a: int, b: int,
-                     stub_vocab: bool) -> list[tuple[str, Any, gguf.GGUFValueType, gguf.GGUFValueType | None]]:
+def _kv_u32(key: str, value: int) -> bytes:
+    return _pack_str(key) + struct.pack("<II", gguf.GGUFValueType.UINT32, value)
+
+
+def _kv_str(key: str, value: str) -> bytes:
+    return _pack_str(key) + struct.pack("<I", gguf.GGUFValueType.STRING) + _pack_str(value)
+
+
+def _kv_u32_array(key: str, values: Sequence[int]) -> bytes:
+    return (_pack_str(key) + struct.pack("<IIQ", gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.UINT32,
+                                         len(values)) + struct.pack(f"<{len(values)}I", *values))
+
+
+def _window_metadata(h: _Header, arch: str, n_layer: int, n_vocab: int, fp: str, a: int, b: int,
+                     role: str) -> list[bytes]:
+    """Encoded metadata entries of the window: the source's, verbatim where unchanged."""
+    stub = role == "middle"
     out = []
-    for key, f in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture" or key.startswith("edgespec."):
+    for key, kv in h.kv.items():
+        if key.startswith("edgespec."):
             continue
-        if stub_vocab and key.startswith("tokenizer."):
+        if stub and key.startswith("tokenizer."):
             continue
         if key in (f"{arch}.block_count", f"{arch}.vocab_size"):
             continue
-        value, vtype, sub = _field_value(f)
+        raw = kv.raw
         # Per-layer arrays (some llama variants store head counts or ffn sizes per layer) follow
         # the renumbered blocks.
-        if (key.startswith(f"{arch}.") and vtype == gguf.GGUFValueType.ARRAY
-                and sub != gguf.GGUFValueType.STRING and len(value) == n_layer):
-            value = value[a:b]
-        out.append((key, value, vtype, sub))
+        if (key.startswith(f"{arch}.") and kv.vtype == gguf.GGUFValueType.ARRAY
+                and kv.sub_type in _SCALAR_FMT and kv.length == n_layer and kv.value is not None):
+            fmt = _SCALAR_FMT[kv.sub_type]  # type: ignore[index]
+            part = kv.value[a:b]
+            raw = struct.pack("<IIQ", kv.vtype, kv.sub_type, len(part)) + struct.pack(f"<{len(part)}{fmt}", *part)
+        out.append(_pack_str(key) + raw)
+    out.append(_kv_u32(f"{arch}.block_count", b - a))
+    if stub:
+        out.append(_kv_str("tokenizer.ggml.model", "none"))
+        out.append(_kv_u32(f"{arch}.vocab_size", 1))
+    elif f"{arch}.vocab_size" in h.kv:
+        out.append(_pack_str(f"{arch}.vocab_size") + h.kv[f"{arch}.vocab_size"].raw)
+    out.append(_kv_str(KEY_FINGERPRINT, fp))
+    out.append(_kv_u32_array(KEY_RANGE, [a, b]))
+    out.append(_kv_u32(KEY_N_LAYER, n_layer))
+    out.append(_kv_u32(KEY_N_VOCAB, n_vocab))
+    out.append(_kv_str(KEY_ROLE, role))
     return out
 
 
-def _plan_tensors(reader: gguf.GGUFReader, a: int, b: int, role: str) -> list[tuple[str, Any]]:
-    """(new name, source tensor or a numpy stub) in the order they are written."""
-    plan: list[tuple[str, Any]] = []
-    tensors = _tensor_map(reader)
+@dataclass
+class _Planned:
+    name: str
+    ne: list[int]
+    ggml_type: int
+    nbytes: int
+    source_offset: int | None  # None: ``data`` holds the bytes (a stub)
+    data: bytes = b""
+
+
+def _plan_tensors(h: _Header, a: int, b: int, role: str) -> list[_Planned]:
+    """The window's tensors in file order: renumbered blocks, global tensors, stubs."""
+    plan: list[_Planned] = []
     stub = role == "middle"
     keeps_head = role in ("last", "full")
-    for t in reader.tensors:
+    for t in h.tensors:
         m = _BLOCK_RE.match(t.name)
         if m:
             i = int(m.group(1))
             if a <= i < b:
-                plan.append((f"blk.{i - a}.{m.group(2)}", t))
+                plan.append(_Planned(f"blk.{i - a}.{m.group(2)}", t.ne, t.ggml_type, t.nbytes, t.offset))
             continue
-        if t.name == "token_embd.weight":
-            if stub:
-                n_embd = _ne(tensors["token_embd.weight"])[0]
-                plan.append((t.name, np.zeros((1, n_embd), dtype=np.float32)))
-            else:
-                plan.append((t.name, t))
+        if t.name == "token_embd.weight" and stub:
+            n_embd = t.ne[0]
+            zeros = np.zeros((1, n_embd), dtype=np.float32).tobytes()
+            plan.append(_Planned(t.name, [n_embd, 1], int(gguf.GGMLQuantizationType.F32), len(zeros),
+                                 None, zeros))
             continue
         if t.name.startswith("output.") and not keeps_head:
             continue  # no head before the last window (tied to token_embd if llama.cpp asks)
-        plan.append((t.name, t))  # output_norm, rope_freqs and other global tensors
+        plan.append(_Planned(t.name, t.ne, t.ggml_type, t.nbytes, t.offset))
     return plan
 
 
-def _tensor_bytes(item: Any) -> int:
-    return int(item.nbytes) if isinstance(item, np.ndarray) else int(item.n_bytes)
-
-
-def _write_window(reader: gguf.GGUFReader, src: Path, out_path: Path, arch: str, n_layer: int,
-                  n_vocab: int, fp: str, a: int, b: int, progress: Any) -> None:
+def _write_window(h: _Header, out_path: Path, arch: str, n_layer: int, n_vocab: int, fp: str,
+                  a: int, b: int, progress: Any) -> None:
     role = _role(a, b, n_layer)
-    stub = role == "middle"
-    tmp = out_path.with_name(out_path.name + ".part")
-    writer = gguf.GGUFWriter(str(tmp), arch)
-    alignment = _scalar(reader, "general.alignment")
-    if alignment is not None:
-        writer.data_alignment = int(alignment)
-    for key, value, vtype, sub in _window_metadata(reader, arch, n_layer, a, b, stub):
-        writer.add_key_value(key, value, vtype, sub_type=sub)
-    writer.add_uint32(f"{arch}.block_count", b - a)
-    if stub:
-        writer.add_string("tokenizer.ggml.model", "none")
-        writer.add_uint32(f"{arch}.vocab_size", 1)
-    elif f"{arch}.vocab_size" in reader.fields:
-        writer.add_uint32(f"{arch}.vocab_size", n_vocab)
-    writer.add_string(KEY_FINGERPRINT, fp)
-    writer.add_array(KEY_RANGE, [a, b])
-    writer.add_uint32(KEY_N_LAYER, n_layer)
-    writer.add_uint32(KEY_N_VOCAB, n_vocab)
-    writer.add_string(KEY_ROLE, role)
+    align = h.alignment
+    kvs = _window_metadata(h, arch, n_layer, n_vocab, fp, a, b, role)
+    plan = _plan_tensors(h, a, b, role)
+    header = bytearray(struct.pack("<IIQQ", gguf.GGUF_MAGIC, 3, len(plan), len(kvs)))
+    for entry in kvs:
+        header += entry
+    rel = 0
+    for t in plan:
+        header += _pack_str(t.name) + struct.pack("<I", len(t.ne))
+        header += struct.pack(f"<{len(t.ne)}Q", *t.ne) + struct.pack("<IQ", t.ggml_type, rel)
+        rel += t.nbytes + (-t.nbytes % align)
+    header += b"\0" * (-len(header) % align)
 
-    plan = _plan_tensors(reader, a, b, role)
-    for name, item in plan:
-        if isinstance(item, np.ndarray):
-            writer.add_tensor_info(name, item.shape, item.dtype, item.nbytes)
-        else:
-            writer.add_tensor_info(name, item.data.shape, item.data.dtype, int(item.n_bytes),
-                                   raw_dtype=item.tensor_type)
+    tmp = out_path.with_name(out_path.name + ".part")
     try:
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        assert writer.fout is not None
-        fout = writer.fout[0]
-        align = writer.data_alignment
-        with open(src, "rb") as fsrc:
+        with open(tmp, "wb") as fout, open(h.path, "rb") as fsrc:
+            fout.write(header)
             buf = bytearray(_COPY_CHUNK)
             view = memoryview(buf)
-            for _, item in plan:
-                fout.write(b"\0" * (-fout.tell() % align))
-                if isinstance(item, np.ndarray):
-                    fout.write(item.tobytes())
-                    nbytes = item.nbytes
+            for t in plan:
+                if t.source_offset is None:
+                    fout.write(t.data)
                 else:
-                    nbytes = int(item.n_bytes)
-                    fsrc.seek(int(item.data_offset))
-                    left = nbytes
+                    fsrc.seek(t.source_offset)
+                    left = t.nbytes
                     while left:
                         n = fsrc.readinto(view[:min(left, _COPY_CHUNK)])
                         if not n:
-                            raise CorruptShardError(f"{src} ends inside tensor data (truncated file?)")
+                            raise CorruptShardError(f"{h.path} ends inside tensor {t.name!r}")
                         fout.write(view[:n])
                         left -= n
+                fout.write(b"\0" * (-t.nbytes % align))
                 if progress is not None:
-                    progress.update(nbytes)
-            fout.write(b"\0" * (-fout.tell() % align))
-        writer.close()
+                    progress.update(t.nbytes)
         os.replace(tmp, out_path)
     except BaseException:
-        writer.close()
         tmp.unlink(missing_ok=True)
         raise
 
@@ -495,24 +616,24 @@ def _progress_bar(total: int, enabled: bool, desc: str) -> Any:
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, file=sys.stderr)
 
 
-def _load_source(model_path: str | os.PathLike[str]) -> tuple[Path, gguf.GGUFReader, str, int, int, int]:
-    src = Path(model_path)
-    reader = _open(src)
-    arch, n_layer, n_embd, n_vocab = _model_dims(reader, src)
-    if KEY_FINGERPRINT in reader.fields:
-        _close_reader(reader)
-        raise ShardError(f"{src} is already a shard (edgespec.range present); shard the full model")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        _close_reader(reader)
-        raise UnsupportedArchitectureError(
-            f"architecture {arch!r} is not supported yet for layer-window sharding "
-            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
-    return src, reader, arch, n_layer, n_embd, n_vocab
+def _load_source(model_path: str | os.PathLike[str]) -> tuple[_Header, str, int, int, int]:
+    h = _open(model_path)
+    try:
+        arch, n_layer, n_embd, n_vocab = h.dims()
+        if KEY_FINGERPRINT in h.kv:
+            raise ShardError(f"{h.path} is already a shard (edgespec.range present); shard the full model")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedArchitectureError(
+                f"architecture {arch!r} is not supported yet for layer-window sharding "
+                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    except BaseException:
+        h.close()
+        raise
+    return h, arch, n_layer, n_embd, n_vocab
 
 
-def _windows_bytes(reader: gguf.GGUFReader, ranges: Sequence[tuple[int, int]], n_layer: int) -> int:
-    return sum(_tensor_bytes(item) for a, b in ranges
-               for _, item in _plan_tensors(reader, a, b, _role(a, b, n_layer)))
+def _windows_bytes(h: _Header, ranges: Sequence[tuple[int, int]], n_layer: int) -> int:
+    return sum(t.nbytes for a, b in ranges for t in _plan_tensors(h, a, b, _role(a, b, n_layer)))
 
 
 def shard_model(
@@ -526,23 +647,23 @@ def shard_model(
 
     Give either ``ranges`` (contiguous, covering all layers) or ``n_stages`` (even split).
     """
-    src, reader, arch, n_layer, n_embd, n_vocab = _load_source(model_path)
-    try:
+    h, arch, n_layer, n_embd, n_vocab = _load_source(model_path)
+    with h:
         if (ranges is None) == (n_stages is None):
             raise ShardError("give exactly one of ranges= or n_stages=")
         rngs = list(ranges) if ranges is not None else even_ranges(n_layer, int(n_stages or 0))
         rngs = [(int(a), int(b)) for a, b in rngs]
         validate_ranges(rngs, n_layer, cover=True)
-        fp = _compute_fingerprint(reader, src)
+        fp = h.fingerprint()
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        bar = _progress_bar(_windows_bytes(reader, rngs, n_layer), progress, f"shard {src.name}")
-        manifest = Manifest(source=src.name, fingerprint=fp, architecture=arch, n_layer=n_layer,
+        bar = _progress_bar(_windows_bytes(h, rngs, n_layer), progress, f"shard {h.path.name}")
+        manifest = Manifest(source=h.path.name, fingerprint=fp, architecture=arch, n_layer=n_layer,
                             n_embd=n_embd, n_vocab=n_vocab, ranges=rngs)
         try:
             for a, b in rngs:
-                path = out / _shard_name(src, a, b)
-                _write_window(reader, src, path, arch, n_layer, n_vocab, fp, a, b, bar)
+                path = out / _shard_name(h.path, a, b)
+                _write_window(h, path, arch, n_layer, n_vocab, fp, a, b, bar)
                 manifest.shards.append(ShardFile(path.name, (a, b), _role(a, b, n_layer),
                                                  path.stat().st_size, file_sha256(path)))
         finally:
@@ -550,8 +671,6 @@ def shard_model(
                 bar.close()
         (out / MANIFEST_NAME).write_text(manifest.to_json())
         return manifest
-    finally:
-        _close_reader(reader)
 
 
 def cut_window(
@@ -565,12 +684,12 @@ def cut_window(
     ``out_path`` defaults to ``<model dir>/<stem>.Laaa-bbb.gguf``; an existing file there that is
     already this window of this model is reused.
     """
-    src, reader, arch, n_layer, _n_embd, n_vocab = _load_source(model_path)
-    try:
+    h, arch, n_layer, _n_embd, n_vocab = _load_source(model_path)
+    with h:
         a, b = int(layer_range[0]), int(layer_range[1])
         validate_ranges([(a, b)], n_layer, cover=False)
-        fp = _compute_fingerprint(reader, src)
-        out = Path(out_path) if out_path is not None else src.with_name(_shard_name(src, a, b))
+        fp = h.fingerprint()
+        out = Path(out_path) if out_path is not None else h.path.with_name(_shard_name(h.path, a, b))
         if out.exists():
             try:
                 info = read_info(out)
@@ -579,24 +698,19 @@ def cut_window(
             except ShardError:
                 pass  # unreadable leftover: rewrite it
         out.parent.mkdir(parents=True, exist_ok=True)
-        bar = _progress_bar(_windows_bytes(reader, [(a, b)], n_layer), progress, f"cut {a}:{b}")
+        bar = _progress_bar(_windows_bytes(h, [(a, b)], n_layer), progress, f"cut {a}:{b}")
         try:
-            _write_window(reader, src, out, arch, n_layer, n_vocab, fp, a, b, bar)
+            _write_window(h, out, arch, n_layer, n_vocab, fp, a, b, bar)
         finally:
             if bar is not None:
                 bar.close()
         return out
-    finally:
-        _close_reader(reader)
 
 
-def iter_tensor_names(path: str | os.PathLike[str]) -> Iterator[str]:
-    """Tensor names in a GGUF file (diagnostics and tests)."""
-    reader = _open(path)
-    try:
-        yield from (t.name for t in reader.tensors)
-    finally:
-        _close_reader(reader)
+def tensor_names(path: str | os.PathLike[str]) -> list[str]:
+    """Tensor names in a GGUF file, in file order (diagnostics and tests)."""
+    with _open(path) as h:
+        return [t.name for t in h.tensors]
 
 
 # --------------------------------------------------------------------------------------------

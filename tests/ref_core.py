@@ -125,6 +125,11 @@ class RefTree:
         if token < 0 or math.isnan(logprob) or logprob > LOGPROB_SLACK:
             raise ValueError("bad token or log-prob")
         logprob = min(logprob, 0.0)
+        if any(
+            self.parent[c] == parent and self.token[c] == token and not self.alive[c]
+            for c in range(parent + 1, self.size)
+        ):
+            raise ValueError("token was pruned under this parent")
         for c in self.children(parent):
             if self.token[c] == token:
                 if logprob > self.lp[c]:

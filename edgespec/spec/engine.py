@@ -163,7 +163,7 @@ class _Round:
 
     lap: int
     tree: core.TokenTree
-    verifier: core.Verification
+    verifier: core.Verification | None
     outstanding: set[int] = field(default_factory=set)  # segment ids not yet answered
     sent_rows: int = 0
     next_segment: int = 0
@@ -338,41 +338,46 @@ class SpecEngine:
         return b
 
     def _draft_into(self, tree: core.TokenTree, under_node: int, dt: DraftTree) -> None:
+        """Add a drafter's nodes below ``under_node`` (add_nodes: a parent >= 0 is a tree
+        node, -(j+1) is entry j of the same call)."""
         if len(dt) == 0:
             return
         parents = np.where(dt.parents < 0, under_node, -(dt.parents.astype(np.int64) + 1))
-        # add_nodes: a parent >= 0 is a tree node, -(j+1) refers to entry j of this call.
-        parents = np.where(dt.parents < 0, under_node, parents).astype(np.int32)
-        tree.add_nodes(parents, dt.tokens, dt.logprobs.astype(np.float64))
+        tree.add_nodes(parents.astype(np.int32), dt.tokens, dt.logprobs.astype(np.float64))
 
     def _new_tree(self, root: int, sampling: Sampling, budget: int) -> _Round:
         assert self.drafter is not None
-        root_pos = len(self.history)
-        tree = core.TokenTree(root, root_pos)
+        tree = core.TokenTree(root, len(self.history))
         td = time.perf_counter()
         dt = self.drafter.propose(root, budget, self.max_depth)
         self.stats.draft_s += time.perf_counter() - td
         self._draft_into(tree, 0, dt)
         tree.select(budget)
-        verifier = core.Verification(sampling_config(sampling), root_pos)
-        return _Round(self._new_lap(), tree, verifier, t0=time.perf_counter())
+        return _Round(self._new_lap(), tree, None, t0=time.perf_counter())
 
     def _send_rows(self, rnd: _Round, sampling: Sampling, n_segments: int) -> None:
         """Place the tree's pending nodes as rows and send them as ``n_segments`` segments."""
-        _remap, start, stop, ops = rnd.tree.order()
+        ordered = rnd.tree.order()
+        start, stop = int(ordered.start), int(ordered.stop)
         if stop <= start:
             return
-        rnd.verifier.extend(rnd.tree, start, stop)
-        kv = [_op_from_core(op) for op in np.asarray(ops).reshape(-1, 5)]
-        bounds = rnd.tree.segments(start, stop, count=max(1, min(n_segments, stop - start)))
+        tokens_all, parents_all = rnd.tree.structure()
+        if rnd.verifier is None:
+            rnd.verifier = core.Verification(sampling_config(sampling), rnd.tree.root_pos,
+                                             tokens_all, parents_all)
+        else:
+            rnd.verifier.extend(tokens_all[start:stop], parents_all[start:stop], start)
+        kv = [_op_from_core(op) for op in np.asarray(ordered.ops).reshape(-1, 5)]
+        count = max(1, min(n_segments, stop - start))
+        bounds = rnd.tree.segment_bounds(count=count, start=start, stop=stop).tolist()
         for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-            tokens, pos, seqs, nseq, _parents, _depths = rnd.tree.layout(int(a), int(b))
-            seq_ids = [list(map(int, seqs[i, : nseq[i]])) for i in range(len(tokens))]
+            lay = rnd.tree.layout(a, b)
+            seq_ids = [lay.seq_ids[i, : lay.n_seq[i]].tolist() for i in range(b - a)]
             seg = rnd.next_segment
             rnd.next_segment += 1
             rnd.outstanding.add(seg)
-            rnd.seg_rows[seg] = (int(a), int(b))
-            self._submit(Batch(tokens, pos, seq_ids, np.arange(a, b, dtype=np.int32),
+            rnd.seg_rows[seg] = (a, b)
+            self._submit(Batch(lay.tokens, lay.pos, seq_ids, np.arange(a, b, dtype=np.int32),
                                np.ones(b - a, bool), lap=rnd.lap, segment=seg, pre_ops=kv,
                                sampling=sampling))
             kv = []
@@ -382,14 +387,15 @@ class SpecEngine:
         """Commit the accepted path into sequence 0 (masked rollback) and return the tokens
         gained: accepted draft tokens, then the bonus token."""
         path = [int(r) for r in decision.path]
-        tokens = [int(t) for t in decision.tokens]
-        plan = core.plan_commit(rnd.tree, path)
-        self._pending_ops.extend(_op_from_core(op) for op in np.asarray(plan).reshape(-1, 5))
-        self._commit([rnd.tree.root_token, *tokens])
+        self._observe_acceptance(rnd.tree, path, int(decision.bonus))
+        root_token = int(rnd.tree.root_token)
+        plan = rnd.tree.commit(decision)
+        self._pending_ops.extend(_op_from_core(op) for op in np.asarray(plan.ops).reshape(-1, 5))
+        tokens = [int(t) for t in plan.tokens]
+        self._commit([root_token, *tokens])
         gained = [*tokens, int(decision.bonus)]
         self.stats.rounds += 1
         self.stats.accepted_hist[len(gained)] += 1
-        self._observe_acceptance(rnd.tree, path, int(decision.bonus))
         td = time.perf_counter()
         if self.drafter is not None:
             self.drafter.accept(gained)
@@ -397,19 +403,19 @@ class SpecEngine:
         return gained
 
     def _observe_acceptance(self, tree: core.TokenTree, path: list[int], bonus: int) -> None:
-        parents = tree.parents()
-        tokens = tree.tokens()
-        scores = tree.scores()
-        alive = tree.alive()
+        """Feed the cost model: at each step of the accepted path, which sibling rank (by
+        draft score) held the target's token, if any."""
+        n = tree.n_rows
+        parents = tree.parents()[:n]
+        scores = tree.scores()[:n]
+        alive = tree.alive()[:n]
         steps = [*path[1:], None]
         for node, nxt in zip(path, steps, strict=True):
-            kids = [int(c) for c in np.flatnonzero((parents == node) & alive)]
-            if not kids:
+            kids = np.flatnonzero((parents == node) & alive)
+            if not len(kids):
                 continue
-            kids.sort(key=lambda c: -scores[c])
+            kids = kids[np.argsort(-scores[kids], kind="stable")].tolist()
             rank = kids.index(nxt) if nxt is not None else None
-            if nxt is None and bonus in tokens[kids]:
-                rank = None
             self.cost.observe_rank(rank, len(kids))
 
     def _rounds_sync(self, root: int, sampling: Sampling) -> Iterator[list[int]]:
@@ -420,7 +426,7 @@ class SpecEngine:
             res = self.chain.next_result()
             self.stats.laps += 1
             self.cost.observe_lap(rnd.sent_rows, (time.perf_counter() - rnd.t0) * 1e3)
-            decision = rnd.verifier.feed_targets(_row_targets(res, 0, rnd.sent_rows), 0)
+            decision = rnd.verifier.feed_targets(res.targets, 0, rows=res.nodes)
             if decision.status != core.ACCEPTED:
                 raise RuntimeError("whole-tree verification did not reach a decision")
             gained = self._finish_round(rnd, decision)
@@ -453,9 +459,9 @@ class SpecEngine:
                 # the verifier takes rows in order, so feed contiguous segments only.
                 while decision is None and next_seg in ready:
                     r = ready.pop(next_seg)
-                    a, b = rnd.seg_rows[next_seg]
+                    a, _b = rnd.seg_rows[next_seg]
                     next_seg += 1
-                    d = rnd.verifier.feed_targets(_row_targets(r, a, b), a)
+                    d = rnd.verifier.feed_targets(r.targets, a, rows=r.nodes)
                     if d.status == core.ACCEPTED:
                         decision = d
                     else:
@@ -474,21 +480,26 @@ class SpecEngine:
     def _prune_and_expand(self, rnd: _Round, d, sampling: Sampling) -> None:
         """After a partial decision: drop rows off the accepted path from batches still in
         flight, and keep the ring busy by drafting more nodes under the frontier."""
-        dead = core.rejected_rows(rnd.tree, [int(r) for r in d.path], rnd.sent_rows)
+        alive_before = rnd.tree.alive()[: rnd.tree.n_rows].copy()
+        plan = rnd.tree.prune(d)
+        dead = np.flatnonzero(alive_before & ~rnd.tree.alive()[: rnd.tree.n_rows])
         if len(dead):
+            # Rows die at once everywhere (direct message); their seqs are freed in ring
+            # order (pre_ops of the next batch), behind any of their rows still in flight.
             self.chain.prune(dead.tolist(), (), lap=rnd.lap)
             self.stats.rows_pruned += len(dead)
+            self._pending_ops.extend(_op_from_core(op) for op in np.asarray(plan.ops).reshape(-1, 5))
         if self.drafter is None or len(rnd.outstanding) >= max(1, self.chain.n_stages - 1):
             return
         frontier = int(d.path[-1])
-        path_tokens = [int(t) for t in d.tokens]
         seg = self.stats.segment or 4
         td = time.perf_counter()
-        dt = self.drafter.propose_under(path_tokens, seg, self.max_depth)
+        dt = self.drafter.propose_under([int(t) for t in d.tokens], seg, self.max_depth)
         self.stats.draft_s += time.perf_counter() - td
         if len(dt) == 0:
             return
         self._draft_into(rnd.tree, frontier, dt)
+        rnd.tree.select(seg)
         rnd.expansions += 1
         self._send_rows(rnd, sampling, 1)
 
@@ -509,15 +520,3 @@ def _op_from_core(op) -> KvOp:
     if kind == core.SEQ_KEEP:
         return KvOp(KvOpCode.KEEP, a)
     raise ValueError(f"unknown core op {kind}")
-
-
-def _row_targets(res, lo: int, hi: int) -> np.ndarray:
-    """Targets for rows [lo, hi) from a result; rows pruned on the way get -1 (never read,
-    since a pruned row is off the accepted path)."""
-    out = np.full(hi - lo, -1, dtype=np.int32)
-    if len(res.nodes):
-        idx = res.nodes - lo
-        ok = (idx >= 0) & (idx < hi - lo)
-        out[idx[ok]] = res.targets[ok]
-    return out
-
