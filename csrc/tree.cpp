@@ -41,6 +41,7 @@ void TokenTree::reset(int32_t root_token, int32_t root_pos) {
     score_.assign(1, 0.0);
     alive_.assign(1, 1);
     seq_used_.assign(static_cast<size_t>(max_seqs_) + 1, 0);
+    rs_valid_ = false;
 }
 
 void TokenTree::check_node(int32_t i, const char *what) const {
@@ -283,6 +284,7 @@ OrderResult TokenTree::order() {
     }
     n_rows_ = n;
     last_start_ = old_rows;
+    rs_valid_ = false;
     res.stop = n;
     return res;
 }
@@ -313,7 +315,10 @@ std::vector<int32_t> TokenTree::segment_bounds(int32_t start, int32_t stop, int3
     return b;
 }
 
-void TokenTree::row_seqs(std::vector<int32_t> &offsets, std::vector<int32_t> &flat) const {
+void TokenTree::ensure_row_seqs() const {
+    if (rs_valid_) return;
+    rs_valid_ = true;
+    std::vector<int32_t> &offsets = rs_off_, &flat = rs_flat_;
     std::vector<int32_t> owner(static_cast<size_t>(max_seqs_) + 1, -1);
     for (int32_t i = 0; i < n_rows_; ++i)
         if (alive_[i] && seq_[i] >= 0) owner[seq_[i]] = i;
@@ -359,8 +364,7 @@ py::tuple layout(const TokenTree &t, int32_t start, int32_t stop) {
     if (start < 0 || stop > t.n_rows() || start > stop)
         throw std::invalid_argument("layout range [" + std::to_string(start) + ", " + std::to_string(stop) +
                                     ") outside the " + std::to_string(t.n_rows()) + " placed rows");
-    std::vector<int32_t> off, flat;
-    t.row_seqs(off, flat);
+    const std::vector<int32_t> &off = t.row_seq_offsets(), &flat = t.row_seq_flat();
     const py::ssize_t n = stop - start;
     int32_t width = 1;
     for (int32_t i = start; i < stop; ++i) {

@@ -51,8 +51,10 @@ public:
     std::vector<int32_t> segment_bounds(int32_t start, int32_t stop, int32_t size,
                                         int32_t count) const;
 
-    // Seq ids of the live leaves below each row (CSR over all rows, ascending seq ids).
-    void row_seqs(std::vector<int32_t> &offsets, std::vector<int32_t> &flat) const;
+    // Seq ids of the live leaves below each row: CSR over all rows (offsets[n_rows + 1], flat),
+    // ascending seq ids; cached until the rows or seqs change.
+    const std::vector<int32_t> &row_seq_offsets() const { ensure_row_seqs(); return rs_off_; }
+    const std::vector<int32_t> &row_seq_flat() const { ensure_row_seqs(); return rs_flat_; }
 
     // Resets to a lone root: the state after a commit.
     void reset(int32_t root_token, int32_t root_pos);
@@ -82,6 +84,7 @@ public:
     void drop(int32_t i) {  // prune a row: it stays numbered but dead, without a seq
         alive_[i] = 0;
         seq_[i] = -1;
+        rs_valid_ = false;
     }
 
 private:
@@ -97,6 +100,9 @@ private:
     std::vector<double> lp_, score_;
     std::vector<uint8_t> alive_;
     std::vector<uint8_t> seq_used_;  // index 1..max_seqs
+    void ensure_row_seqs() const;
+    mutable std::vector<int32_t> rs_off_, rs_flat_;
+    mutable bool rs_valid_ = false;
 };
 
 }  // namespace edgespec

@@ -133,7 +133,8 @@ class Ring:
 
     def _stream_tokens(self, prompt_tokens: list[int], *, max_tokens: int, temperature: float,
                        top_p: float, top_k: int, seed: int, stop: Sequence[str],
-                       spec: SpecMode | None) -> TextStream:
+                       spec: SpecMode | None, cancel: threading.Event | None = None
+                       ) -> TextStream:
         sampling = Sampling(temperature=float(temperature), top_k=int(top_k),
                             top_p=float(top_p), seed=int(seed))
         mode = spec or self.default_spec
@@ -149,7 +150,7 @@ class Ring:
                 tokens: list[int] = []
                 finish = "length"
                 run = self.engine.run(prompt_tokens, max_tokens=max_tokens, sampling=sampling,
-                                      mode=mode)
+                                      mode=mode, cancel=cancel)
                 try:
                     for chunk in run:
                         done = False
@@ -167,6 +168,8 @@ class Ring:
                                 break
                         if done:
                             break
+                        if cancel is not None and cancel.is_set():
+                            finish = "stop"
                         safe = len(text) - holdback if stops else len(text)
                         if safe > emitted:
                             yield text[emitted:safe]
@@ -256,7 +259,7 @@ class Ring:
 
 def _gen_defaults(kwargs: dict[str, Any]) -> dict[str, Any]:
     out = {"max_tokens": 128, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0,
-           "stop": (), "spec": None}
+           "stop": (), "spec": None, "cancel": None}
     unknown = set(kwargs) - set(out)
     if unknown:
         raise TypeError(f"unexpected arguments: {sorted(unknown)}")

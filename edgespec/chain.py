@@ -21,6 +21,7 @@ nodes they answer for, so a result stays meaningful after rows were pruned on th
 from __future__ import annotations
 
 import collections
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -145,20 +146,23 @@ class StageWorker:
         self._pruned: set[int] = set()
         self._pruned_lap = -1
         self._pending_ops: list[KvOp] = []
+        self._lock = threading.Lock()  # prune() comes from another thread on a node
 
     def prune(self, lap: int, nodes: Iterable[int], ops: Sequence[KvOp]) -> None:
-        if lap != self._pruned_lap:
-            self._pruned, self._pruned_lap = set(), lap
-        self._pruned.update(int(n) for n in nodes)
-        self._pending_ops.extend(ops)
+        with self._lock:
+            if lap != self._pruned_lap:
+                self._pruned, self._pruned_lap = set(), lap
+            self._pruned.update(int(n) for n in nodes)
+            self._pending_ops.extend(ops)
 
     def apply_ops(self, ops: Sequence[KvOp]) -> None:
         for rt in self.runtimes:
             apply_kv_ops(rt, ops)
 
     def _flush_pending(self) -> None:
-        if self._pending_ops:
+        with self._lock:
             ops, self._pending_ops = self._pending_ops, []
+        if ops:
             self.apply_ops(ops)
 
     def run(self, batch: Batch, hidden: np.ndarray | None) -> tuple[Batch, np.ndarray | None]:
@@ -167,14 +171,17 @@ class StageWorker:
         batch and the hidden states for the next hop, or target tokens on the last stage."""
         self._flush_pending()
         self.apply_ops(batch.pre_ops)
-        if batch.lap == self._pruned_lap and self._pruned:
-            keep = ~np.isin(batch.nodes, np.fromiter(self._pruned, dtype=np.int32))
-            if not keep.all():
-                if hidden is not None:
-                    hidden = hidden[keep]
-                batch = batch.select(keep)
-        if len(batch) == 0:
-            return batch, None
+        with self._lock:
+            pruned = (np.fromiter(self._pruned, dtype=np.int32)
+                      if batch.lap == self._pruned_lap and self._pruned else None)
+        dead = np.isin(batch.nodes, pruned) if pruned is not None else None
+        if dead is not None and dead.all():
+            # Every row of this batch was rejected while it was in flight: skip it.
+            return batch.select(np.zeros(len(batch), bool)), None
+        # A partly rejected batch is computed whole: dropping some of its rows would change
+        # the batch shape, and llama.cpp's kernels round differently for other shapes, which
+        # would make the output depend on network timing. Rejected rows are only left out
+        # of the answer.
         x = hidden
         for i, rt in enumerate(self.runtimes):
             last_window = self.is_last and i == len(self.runtimes) - 1
@@ -184,7 +191,11 @@ class StageWorker:
                 return batch, np.zeros(0, dtype=np.int32)
             x = rt_forward(rt, batch, x, want_rows=want, need_output=True)
         if self.is_last:
-            return batch, pick_targets(x, batch.pos[batch.want], batch.sampling)
+            targets = pick_targets(x, batch.pos[batch.want], batch.sampling)
+            if dead is not None and dead.any():
+                live = ~dead[batch.want]
+                return batch.select(batch.want & ~dead), targets[live]
+            return batch, targets
         return batch, x
 
 

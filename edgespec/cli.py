@@ -249,8 +249,10 @@ def _add_ring(sub) -> None:
     up.add_argument("--plan", default=None, help="override the plan with a JSON file "
                     '{"ranges": [[0,12],[12,24]]}')
     up.add_argument("--ctx", type=int, default=4096, help="context size (KV cells) per stage")
-    up.add_argument("--activations", choices=("f16", "f32", "q8"), default="f16",
-                    help="hidden-state encoding between stages")
+    up.add_argument("--activations", choices=("f32", "f16", "q8"), default="f32",
+                    help="hidden-state encoding between stages: f32 is exact (output identical to the "
+                         "unsplit model); f16 and q8 halve and quarter the bytes per hop but may "
+                         "change greedy output on near ties")
     up.add_argument("--no-profile", action="store_true", help="skip profiling (even split)")
     up.add_argument("--key-file", default=None, help="ring key (created if missing)")
     st = _add(rsub, "status", "show the ring's nodes, layers, memory and RTT",

@@ -27,7 +27,7 @@ def _meta(batch: Batch) -> dict:
     return meta
 
 
-def batch_message(batch: Batch, hidden: np.ndarray | None = None, encoding: str = "f16",
+def batch_message(batch: Batch, hidden: np.ndarray | None = None, encoding: str = "f32",
                   stage: int = 0) -> Message:
     """TOKENS (no hidden states yet) or HIDDEN message for ``batch`` addressed to ``stage``."""
     fields: dict[FieldTag, object] = {

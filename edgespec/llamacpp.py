@@ -269,9 +269,10 @@ class Context:
         self.model = model
         self._ptr = ptr
         self.n_ctx: int = llama_cpp.llama_n_ctx(ptr)
-        self.n_batch: int = int(params.n_batch)
-        self.n_ubatch: int = int(params.n_ubatch)
-        self.n_seq_max: int = int(params.n_seq_max)
+        # What llama.cpp settled on (it clamps n_batch to the requested n_ctx, rounds n_ctx up).
+        self.n_batch: int = llama_cpp.llama_n_batch(ptr)
+        self.n_ubatch: int = llama_cpp.llama_n_ubatch(ptr)
+        self.n_seq_max: int = llama_cpp.llama_n_seq_max(ptr)
         self.n_threads: int = int(params.n_threads)
         self.kv_unified: bool = bool(params.kv_unified)
         # The ctypes callback object must live as long as the context that may call it.

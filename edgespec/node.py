@@ -56,7 +56,7 @@ class StageSlot:
     next_conn: Connection | None = None
     next_stage: int = -1
     head_conn: Connection | None = None
-    encoding: str = "f16"
+    encoding: str = "f32"
     thread: threading.Thread | None = None
     busy_s: float = 0.0
     batches: int = 0
@@ -299,7 +299,7 @@ class Node:
                               n_seq_max=int(meta.get("n_seq_max", 256)),
                               n_threads=self.n_threads, n_gpu_layers=self.n_gpu_layers)
             slot = StageSlot(int(stage), (int(a), int(b)), rt, bool(is_last),
-                             encoding=str(meta.get("encoding", "f16")))
+                             encoding=str(meta.get("encoding", "f32")))
             slot.thread = threading.Thread(target=self._run_slot, args=(slot,),
                                            name=f"edgespec-stage-{stage}", daemon=True)
             slot.thread.start()

@@ -127,7 +127,7 @@ class RemoteChain:
     """The ``Chain`` over a ring of nodes (see ``edgespec.chain``)."""
 
     def __init__(self, members: list[_Member], plan: Plan, n_vocab: int,
-                 encoding: str = "f16") -> None:
+                 encoding: str = "f32") -> None:
         self.members = members
         self.plan = plan
         self.n_vocab = n_vocab
@@ -185,7 +185,7 @@ def _connect_members(addresses: Sequence[Address], key: bytes, head_id: str,
 
 def form_ring(addresses: Sequence[Address], model: str | os.PathLike[str], key: bytes, *,
               ranges: Sequence[tuple[int, int]] | None = None, stages: int | None = None,
-              rounds: int = 1, n_ctx: int = 4096, n_seq_max: int = 256, encoding: str = "f16",
+              rounds: int = 1, n_ctx: int = 4096, n_seq_max: int = 256, encoding: str = "f32",
               profile: bool = True, proxy: Callable[[Address], Address] | None = None,
               head_id: str = "head", log_fn: Callable[[str], None] = log.info
               ) -> RemoteChain:
@@ -374,7 +374,7 @@ def attach(cls, state: str | os.PathLike[str] | None = None, *, key: str | None 
 def up(cls, model: str | os.PathLike[str], nodes: str = "auto", *, key: str | None = None,
        expect: int | None = None, timeout: float = 5.0, rounds: int = 1,
        ranges: Sequence[tuple[int, int]] | None = None, n_ctx: int = 4096,
-       encoding: str = "f16", spec: str = "auto", draft=None, **engine: Any):
+       encoding: str = "f32", spec: str = "auto", draft=None, **engine: Any):
     """Discover (or list) nodes, form the ring, save its state, and return its head."""
     from .auth import ensure_key
     from .models import resolve

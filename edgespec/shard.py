@@ -353,12 +353,15 @@ class _Header:
         h = hashlib.sha256()
         h.update(json.dumps({"arch": arch, "n_layer": n_layer, "n_embd": n_embd, "n_vocab": n_vocab},
                             sort_keys=True).encode())
-        mm = self._mm
-        for t in sorted(self.tensors, key=lambda t: t.name):
-            h.update(f"{t.name}|{t.ne}|{t.ggml_type}|{t.nbytes}\n".encode())
-            h.update(mm[t.offset:t.offset + min(t.nbytes, _FP_SAMPLE)])
-            if t.nbytes > _FP_SAMPLE:
-                h.update(mm[t.offset + max(_FP_SAMPLE, t.nbytes - _FP_SAMPLE):t.offset + t.nbytes])
+        # pread, not the mapping: mapped pages (and their read-ahead) would count as resident.
+        with open(self.path, "rb") as f:
+            fd = f.fileno()
+            for t in sorted(self.tensors, key=lambda t: t.name):
+                h.update(f"{t.name}|{t.ne}|{t.ggml_type}|{t.nbytes}\n".encode())
+                h.update(os.pread(fd, min(t.nbytes, _FP_SAMPLE), t.offset))
+                if t.nbytes > _FP_SAMPLE:
+                    tail = max(_FP_SAMPLE, t.nbytes - _FP_SAMPLE)
+                    h.update(os.pread(fd, t.nbytes - tail, t.offset + tail))
         return h.hexdigest()[:32]
 
 

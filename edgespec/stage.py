@@ -170,6 +170,11 @@ class StageRuntime:
             lists it), or against this hex digest when a string is given.
         cache_dir: where ``(model_path, range)`` windows are cut (default: next to the model).
         use_extra_bufts: CPU extra buffer types (see :func:`edgespec.llamacpp.load_model`).
+        flash_attn: None = off on CPU-only runtimes (``n_gpu_layers == 0``): llama.cpp's CPU flash
+            attention makes a 1-row batch differ from the same row in a bigger batch (4e-3 on
+            the tiny test models), which breaks "tree logits == sequential logits", and it is not
+            faster on CPU (Qwen 0.5B, 1 thread: 32.5 ms either way at batch 1). With offload, None
+            leaves llama.cpp's automatic choice.
 
     Raises:
         FileNotFoundError, CorruptShardError, FingerprintMismatchError, ShardError,
@@ -229,12 +234,12 @@ class StageRuntime:
             self._ctx = llamacpp.new_context(
                 self._model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_seq_max=n_seq_max,
                 kv_unified=True, n_threads=n_threads, cb_eval=cb, cb_eval_user_data=ud,
-                flash_attn=flash_attn)
+                flash_attn=flash_attn if flash_attn is not None or n_gpu_layers != 0 else False)
         except BaseException:
             self.close()
             raise
         self.n_ctx: int = self._ctx.n_ctx
-        self.n_batch: int = n_batch
+        self.n_batch: int = self._ctx.n_batch  # may be below the request (clamped to n_ctx)
         self.n_seq_max: int = n_seq_max
         self.n_threads: int = self._ctx.n_threads
         self._mem = self._ctx.memory

@@ -257,9 +257,7 @@ class RefTree:
         return [*b, stop]
 
     def row_seqs(self, i: int) -> list[int]:
-        return sorted(
-            self.seq[r] for r in self._subtree(i) if r < self.n_rows and self.seq[r] >= 0
-        )
+        return sorted(self.seq[r] for r in self._subtree(i) if r < self.n_rows and self.seq[r] >= 0)
 
     def layout(self, start: int, stop: int) -> tuple[np.ndarray, ...]:
         rows = range(start, stop)
@@ -326,7 +324,7 @@ class RefVerification:
         if start < self.dec.n_processed:
             raise ValueError("rows must arrive in order")
         ids = list(range(start, start + n)) if rows is None else [int(r) for r in rows]
-        if any(r < start for r in ids) or any(b <= a for a, b in zip(ids, ids[1:])):
+        if any(r < start for r in ids) or any(b <= a for a, b in zip(ids, ids[1:], strict=False)):
             raise ValueError("row ids must be ascending and >= start")
         stop = start + n if rows is None else (ids[-1] + 1 if ids else start)
         if stop > len(self.tokens):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from tinygguf import make_tiny_gguf
 
-from edgespec.pipeline import LocalPipeline
+from edgespec.pipeline import LocalPipeline, StageProcess
 
 # Ranges used on the real 24-layer model: the 3-window chain reuses shards of the 2- and
 # 4-window sets, so only 6 shards are written per session.
@@ -56,6 +56,18 @@ def real_shards(real_model_path: Path, tmp_path_factory: pytest.TempPathFactory)
     return {2: p2, 3: [p2[0], p4[2], p4[3]], 4: p4}
 
 
+def two_by_two(paths: list[Path], **kw) -> tuple[LocalPipeline, list[StageProcess]]:
+    """Windows 0 and 2 in one process, 1 and 3 in the other, chained in layer order."""
+    pa = StageProcess([paths[0], paths[2]], **kw)
+    try:
+        pb = StageProcess([paths[1], paths[3]], **kw)
+    except BaseException:
+        pa.close()
+        raise
+    chain = [pa.windows[0], pb.windows[0], pa.windows[1], pb.windows[1]]
+    return LocalPipeline(chain, owned=[pa, pb]), [pa, pb]
+
+
 def tree_seq_ids(parents: Sequence[int]) -> tuple[list[list[int]], list[int], list[int]]:
     """For a tree in topological order: per-node seq ids (the leaves below it, numbered from 1),
     the leaves (node indices; leaf k has seq k+1) and each node's depth."""
@@ -89,8 +101,9 @@ def path_to(parents: Sequence[int], node: int) -> list[int]:
 def check_tree(pipe: LocalPipeline, ref: LocalPipeline, prompt: Sequence[int], tokens: Sequence[int],
                parents: Sequence[int], commit_leaf: int, commit_depth: int, n_after: int) -> dict:
     """Decode a token tree in one batch on ``pipe`` and compare every node's logits with ``ref``
-    decoding the root-to-node path alone; then commit a path and compare the next greedy tokens
-    with a context that only ever saw the committed path. Returns the measured figures."""
+    decoding the root-to-node path alone (in a batch of the same shape, and truly alone); then
+    commit a path and compare the next greedy tokens with a context that only ever saw the
+    committed path. Returns the measured figures."""
     seqs, leaves, depth = tree_seq_ids(parents)
     n_prompt = len(prompt)
     pipe.reset()
@@ -102,12 +115,31 @@ def check_tree(pipe: LocalPipeline, ref: LocalPipeline, prompt: Sequence[int], t
 
     ref.reset()
     ref.prefill(prompt)
-    diffs = []
+    scratch = ref.n_seq_max - 1  # holds filler rows, never read by the path rows
+    diffs, diffs_unpadded = [], []
     for node in range(len(tokens)):
+        on_path = path_to(parents, node)
+        path = [tokens[i] for i in on_path]
+        # The path alone, in a batch of the tree's shape: the path's rows keep their row index
+        # and position, every other row is filler in a sequence of its own. llama.cpp then runs
+        # the same kernels on the same rows (quantized matmul tiles round differently per batch
+        # size and row slot), so any difference left would come from the tree's attention masks.
+        others = [i for i in range(len(tokens)) if i not in on_path]
+        pos = [0] * len(tokens)
+        seq = [0] * len(tokens)
+        for i in on_path:
+            pos[i] = n_prompt + depth[i]
+        for k, i in enumerate(others):
+            pos[i], seq[i] = k, scratch
         ref.truncate(n_prompt)
-        path = [tokens[i] for i in path_to(parents, node)]
-        alone = ref.prefill(path)
+        ref.kv_seq_rm(scratch)
+        alone = ref.forward(np.asarray(tokens, np.int32), pos, seq, want_rows=[node])[0]
         diffs.append(float(np.abs(alone - tree_logits[node]).max()))
+        # And truly alone (a batch of just the path), for the record.
+        ref.truncate(n_prompt)
+        ref.kv_seq_rm(scratch)
+        diffs_unpadded.append(float(np.abs(ref.prefill(path) - tree_logits[node]).max()))
+    ref.kv_seq_rm(scratch)
 
     # Accept the first commit_depth+1 nodes of the path to commit_leaf.
     leaf_seq = leaves.index(commit_leaf) + 1
@@ -122,5 +154,6 @@ def check_tree(pipe: LocalPipeline, ref: LocalPipeline, prompt: Sequence[int], t
     ref.reset()
     committed = list(prompt) + [tokens[i] for i in accepted]
     want = ref.generate_greedy(committed, n_after)
-    return {"max_diff": max(diffs), "diffs": diffs, "after_commit": got, "reference": want, **state,
+    return {"max_diff": max(diffs), "diffs": diffs, "max_diff_unpadded": max(diffs_unpadded),
+            "after_commit": got, "reference": want, **state,
             "expected_n_past": n_prompt + len(accepted)}

@@ -49,7 +49,11 @@ def scenarios(draw):
         "logit_seed": draw(st.integers(0, 2**32 - 1)),
         "split_seed": draw(st.integers(0, 2**32 - 1)),
         "expand": [
-            (draw(st.integers(0, 10_000)), draw(st.integers(0, vocab - 1)), draw(st.sampled_from(LOGPROBS[:4])))
+            (
+                draw(st.integers(0, 10_000)),
+                draw(st.integers(0, vocab - 1)),
+                draw(st.sampled_from(LOGPROBS[:4])),
+            )
             for _ in range(draw(st.integers(0, 6)))
         ],
     }
@@ -161,7 +165,9 @@ def test_core_matches_reference(sc):
     for size in range(1, n + 1):
         assert t.segment_bounds(size=size, start=0, stop=n).tolist() == r.segments(0, n, size=size)
     for count in range(1, n + 1):
-        assert t.segment_bounds(count=count, start=0, stop=n).tolist() == r.segments(0, n, count=count)
+        assert t.segment_bounds(count=count, start=0, stop=n).tolist() == r.segments(
+            0, n, count=count
+        )
 
     flowspec_lap(sc, t, r, verifier, logits, rng)
 
@@ -183,7 +189,9 @@ def flowspec_lap(sc, t, r, verifier, logits, rng) -> None:
         alive = t.alive()
         assert alive[plan.survivors].all() and alive.sum() == len(plan.survivors)
         # Dynamic expansion under survivors: a further segment with new leaf seqs.
-        under = [s for s in plan.survivors.tolist() if s >= d.need_row]  # subtree of the pending node
+        under = [
+            s for s in plan.survivors.tolist() if s >= d.need_row
+        ]  # subtree of the pending node
         for parent, token, lp in sc["expand"]:
             p = under[parent % len(under)]
             assert t.add(p, token, lp) == r.add(p, token, lp)
@@ -196,7 +204,9 @@ def flowspec_lap(sc, t, r, verifier, logits, rng) -> None:
             new_tokens, new_parents = t.tokens()[o.start : o.stop], t.parents()[o.start : o.stop]
             v.extend(new_tokens, new_parents, o.start)
             rv.extend(new_tokens.tolist(), new_parents.tolist(), o.start)
-            extra = (np.round(rng.normal(0, 2, size=(o.stop - o.start, sc["vocab"])) * 2) / 2).astype(np.float32)
+            extra = (
+                np.round(rng.normal(0, 2, size=(o.stop - o.start, sc["vocab"])) * 2) / 2
+            ).astype(np.float32)
             logits = np.concatenate([logits, extra])
         # The in-flight rows arrive with the rows of pruned nodes dropped by the stages.
         rest = [i for i in range(fed, t.n_rows) if t.alive()[i]]

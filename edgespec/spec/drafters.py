@@ -170,6 +170,10 @@ class Drafter(abc.ABC):
     @abc.abstractmethod
     def accept(self, accepted_tokens: Sequence[int]) -> None: ...
 
+    # Release what the drafter holds (a draft model's context); it cannot be used afterwards.
+    def close(self) -> None:  # noqa: B027 - an optional hook, not abstract
+        """Free resources; the default drafter holds none."""
+
     # Tell the drafter that these nodes (rooted at `under`) are already in this round's tree.
     def note_proposed(self, tree: DraftTree, under: Sequence[int] = ()) -> None:
         """Record nodes proposed by someone else (e.g. the hybrid's other drafter) this round.

@@ -25,6 +25,7 @@ from __future__ import annotations
 import heapq
 import logging
 import math
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -191,7 +192,9 @@ class SpecEngine:
         self.history: list[int] = []  # tokens committed in KV sequence 0 on every stage
         self.stats = GenerationStats()
         self._lap = 0
-        self._pending_ops: list[KvOp] = []
+        # A new head knows nothing of what the stages hold: its first batch starts from an
+        # empty cache (ordered ahead of that batch like any other KV operation).
+        self._pending_ops: list[KvOp] = [KvOp(KvOpCode.RM, 0, -1, -1), KvOp(KvOpCode.KEEP, 0)]
         self._stale: Counter = Counter()  # lap -> results of decided trees still in flight
 
     # ------------------------------------------------------------------ public
@@ -214,10 +217,11 @@ class SpecEngine:
         return mode
 
     def run(self, prompt: Sequence[int], *, max_tokens: int, sampling: Sampling,
-            mode: str = "auto") -> Iterator[list[int]]:
+            mode: str = "auto", cancel: threading.Event | None = None) -> Iterator[list[int]]:
         """Generate after ``prompt``; yields the tokens gained by each round, in order.
 
-        Stops after an end-of-generation token (which is yielded) or ``max_tokens`` tokens.
+        Stops after an end-of-generation token (which is yielded), ``max_tokens`` tokens, or
+        at the next round once ``cancel`` is set.
         """
         prompt = [int(t) for t in prompt]
         if not prompt:
@@ -248,6 +252,8 @@ class SpecEngine:
                 self.stats.tokens = produced
                 yield chunk
                 if eog is not None or produced >= max_tokens:
+                    break
+                if cancel is not None and cancel.is_set():
                     break
         finally:
             self.stats.decode_s = time.perf_counter() - t1

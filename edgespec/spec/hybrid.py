@@ -50,6 +50,11 @@ class HybridDrafter(Drafter):
         self.last_split: tuple[int, int] = (0, 0)  # (retrieval nodes, model nodes) last call
 
     @property
+
+    def close(self) -> None:
+        """Close both drafters (the model drafter frees its llama.cpp context)."""
+        self.retrieval.close()
+        self.model.close()
     def history(self) -> Sequence[int]:
         return self.retrieval.history
 
