@@ -140,19 +140,22 @@ class StageWorker:
     are dropped before they cost compute.
     """
 
+    #: Laps whose pruned rows are remembered (a decided lap's batches may still arrive).
+    PRUNE_MEMORY = 16
+
     def __init__(self, runtimes: Sequence, is_last: bool) -> None:
         self.runtimes = list(runtimes)
         self.is_last = is_last
-        self._pruned: set[int] = set()
-        self._pruned_lap = -1
+        self._pruned: collections.OrderedDict[int, set[int]] = collections.OrderedDict()
         self._pending_ops: list[KvOp] = []
         self._lock = threading.Lock()  # prune() comes from another thread on a node
 
     def prune(self, lap: int, nodes: Iterable[int], ops: Sequence[KvOp]) -> None:
         with self._lock:
-            if lap != self._pruned_lap:
-                self._pruned, self._pruned_lap = set(), lap
-            self._pruned.update(int(n) for n in nodes)
+            self._pruned.setdefault(lap, set()).update(int(n) for n in nodes)
+            self._pruned.move_to_end(lap)
+            while len(self._pruned) > self.PRUNE_MEMORY:
+                self._pruned.popitem(last=False)
             self._pending_ops.extend(ops)
 
     def apply_ops(self, ops: Sequence[KvOp]) -> None:
@@ -172,16 +175,20 @@ class StageWorker:
         self._flush_pending()
         self.apply_ops(batch.pre_ops)
         with self._lock:
-            pruned = (np.fromiter(self._pruned, dtype=np.int32)
-                      if batch.lap == self._pruned_lap and self._pruned else None)
-        dead = np.isin(batch.nodes, pruned) if pruned is not None else None
-        if dead is not None and dead.all():
-            # Every row of this batch was rejected while it was in flight: skip it.
-            return batch.select(np.zeros(len(batch), bool)), None
-        # A partly rejected batch is computed whole: dropping some of its rows would change
-        # the batch shape, and llama.cpp's kernels round differently for other shapes, which
-        # would make the output depend on network timing. Rejected rows are only left out
-        # of the answer.
+            dead_set = self._pruned.get(batch.lap)
+            pruned = np.fromiter(dead_set, dtype=np.int32) if dead_set else None
+        if pruned is not None:
+            # Rows of rejected tree nodes are dropped here. A rejected node's descendants are
+            # rejected too, so what remains never depends on a dropped row. (Which rows are
+            # still in flight when a prune lands depends on timing; on quantized weights the
+            # changed batch shape can move logits by float rounding, never the KV contents.)
+            keep = ~np.isin(batch.nodes, pruned)
+            if not keep.all():
+                if hidden is not None:
+                    hidden = hidden[keep]
+                batch = batch.select(keep)
+                if len(batch) == 0:
+                    return batch, None
         x = hidden
         for i, rt in enumerate(self.runtimes):
             last_window = self.is_last and i == len(self.runtimes) - 1
@@ -191,11 +198,7 @@ class StageWorker:
                 return batch, np.zeros(0, dtype=np.int32)
             x = rt_forward(rt, batch, x, want_rows=want, need_output=True)
         if self.is_last:
-            targets = pick_targets(x, batch.pos[batch.want], batch.sampling)
-            if dead is not None and dead.any():
-                live = ~dead[batch.want]
-                return batch.select(batch.want & ~dead), targets[live]
-            return batch, targets
+            return batch, pick_targets(x, batch.pos[batch.want], batch.sampling)
         return batch, x
 
 

@@ -134,7 +134,7 @@ class RemoteChain:
         self.n_stages = len(plan.windows)
         self.encoding = encoding
         self._first = members[plan.windows[0].node]
-        self._last = members[plan.windows[-1].node]
+        self._results = members[0].results  # shared by all members
         self.bytes_sent = 0
 
     def submit(self, batch: Batch) -> None:
@@ -157,7 +157,7 @@ class RemoteChain:
 
     def next_result(self, timeout: float | None = 120.0) -> Result:
         try:
-            item = self._last.results.get(timeout=timeout)
+            item = self._results.get(timeout=timeout)
         except queue.Empty:
             raise RingError(f"no result from the ring within {timeout} s") from None
         if isinstance(item, Exception):
@@ -174,10 +174,13 @@ class RemoteChain:
 def _connect_members(addresses: Sequence[Address], key: bytes, head_id: str,
                      proxy: Callable[[Address], Address] | None) -> list[_Member]:
     members = []
+    # One queue for every member: the last stage answers batches, but a middle stage answers
+    # for a batch it dropped whole (every row pruned), and any stage may report an error.
+    results: queue.Queue = queue.Queue()
     for host, port in addresses:
         target = proxy((host, port)) if proxy else (host, port)
         conn = connect(target[0], target[1], key, node_id=head_id)
-        m = _Member(conn.peer_node or f"{host}:{port}", (host, port), conn, queue.Queue())
+        m = _Member(conn.peer_node or f"{host}:{port}", (host, port), conn, results)
         m.start()
         members.append(m)
     return members

@@ -49,12 +49,12 @@ class HybridDrafter(Drafter):
         self.max_retrieval_nodes = max_retrieval_nodes
         self.last_split: tuple[int, int] = (0, 0)  # (retrieval nodes, model nodes) last call
 
-    @property
-
     def close(self) -> None:
         """Close both drafters (the model drafter frees its llama.cpp context)."""
         self.retrieval.close()
         self.model.close()
+
+    @property
     def history(self) -> Sequence[int]:
         return self.retrieval.history
 
