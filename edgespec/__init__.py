@@ -2,12 +2,24 @@
 with speculative decoding built into the pipeline.
 
 Importing the package is cheap: llama.cpp, zeroconf and the C++ core load only in the modules
-that need them.
+that need them (``Ring`` is resolved on first use).
 """
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-PROTOCOL_VERSION = 1
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["__version__", "PROTOCOL_VERSION"]
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from .api import Generation, Ring
+
+__all__ = ["__version__", "Ring", "Generation"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("Ring", "Generation"):
+        from . import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'edgespec' has no attribute {name!r}")

@@ -37,8 +37,11 @@ class LocalNodes:
                     "--threads", str(threads)]
                 if cache_dir is not None:
                     cmd += ["--cache", str(cache_dir)]
+                # A session of their own: Ctrl-C in the head's terminal (the chat CLI stops the
+                # current answer with it) must not reach the nodes, which would stop them.
                 p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None if verbose else
-                                     subprocess.DEVNULL, text=True, env=env)
+                                     subprocess.DEVNULL, text=True, env=env,
+                                     start_new_session=True)
                 self.procs.append(p)
             deadline = time.monotonic() + startup_timeout
             for p in self.procs:

@@ -33,11 +33,11 @@ from typing import Any
 
 import numpy as np
 
-from . import PROTOCOL_VERSION, __version__
+from . import __version__
 from .chain import StageWorker
 from .frames import batch_message, message_batch, result_message
 from .transport import Connection, Frame, FrameServer, TransportError, connect
-from .wire import FieldTag, Kind, Message, WireError, error_message, kv_ops_list
+from .wire import PROTOCOL_VERSION, FieldTag, Kind, Message, WireError, error_message, kv_ops_list
 
 log = logging.getLogger("edgespec.node")
 

@@ -203,6 +203,8 @@ def form_ring(addresses: Sequence[Address], model: str | os.PathLike[str], key: 
         profiles = []
         for m in members:
             h = m.request("health").meta
+            # The node's own name (what mDNS and `ring status` show), not its id.
+            m.name = str(h.get("name") or m.name)
             prof = NodeProfile(h["node_id"], h.get("name", m.name), m.address[0], m.address[1],
                                free_mem=int(h.get("free_ram") or 0), rtt_ms=m.last_rtt_ms)
             if profile and ranges is None:
@@ -320,6 +322,8 @@ def attach_chain(state: dict, key: bytes) -> RemoteChain:
 
     addresses = [(n["host"], int(n["port"])) for n in state["nodes"]]
     members = _connect_members(addresses, key, "head", None)
+    for m, n in zip(members, state["nodes"], strict=True):
+        m.name = str(n.get("name") or m.name)
     profiles = [NodeProfile(m.name, m.name, m.address[0], m.address[1]) for m in members]
     windows = [Window(s, node, a, b) for s, node, a, b in state["plan"]["windows"]]
     plan = Plan(profiles, windows, int(state["plan"]["n_layer"]))

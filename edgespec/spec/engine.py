@@ -25,6 +25,7 @@ from __future__ import annotations
 import heapq
 import logging
 import math
+import secrets
 import threading
 import time
 from collections import Counter
@@ -148,14 +149,20 @@ class CostModel:
                     heapq.heappush(heap, (-(p * a[r]), r, d + 1))
         return total + 1.0
 
+    def observe_draft(self, nodes: int, ms: float) -> None:
+        if nodes > 0:
+            self.draft_ms = 0.8 * self.draft_ms + 0.2 * (ms / nodes)
+
+    def rate(self, budget: int) -> float:
+        """Predicted tokens per millisecond with a tree of ``budget`` drafted nodes."""
+        ms = self.lap_a + self.lap_b * (budget + 1) + self.draft_ms * budget
+        return (self.expected_tokens(budget) if budget else 1.0) / ms
+
     def choose(self) -> int:
-        best, best_rate = self.budgets[0], -1.0
-        for b in self.budgets:
-            ms = self.lap_a + self.lap_b * (b + 1) + self.draft_ms * b
-            rate = self.expected_tokens(b) / ms
-            if rate > best_rate:
-                best, best_rate = b, rate
-        return best
+        """The budget with the best predicted rate; 0 means drafting does not pay (plain
+        decoding, one token per lap, beats every tree at the measured acceptance)."""
+        best = max(self.budgets, key=self.rate)
+        return best if self.rate(best) > self.rate(0) else 0
 
 
 @dataclass
@@ -191,11 +198,14 @@ class SpecEngine:
         self.cost = cost or CostModel()
         self.history: list[int] = []  # tokens committed in KV sequence 0 on every stage
         self.stats = GenerationStats()
-        self._lap = 0
+        # Lap ids name batches on every stage (pruning remembers recent laps): start each head
+        # somewhere random so a new head on the same stages never reuses a recent lap id.
+        self._lap = secrets.randbits(30)
         # A new head knows nothing of what the stages hold: its first batch starts from an
         # empty cache (ordered ahead of that batch like any other KV operation).
         self._pending_ops: list[KvOp] = [KvOp(KvOpCode.RM, 0, -1, -1), KvOp(KvOpCode.KEEP, 0)]
         self._stale: Counter = Counter()  # lap -> results of decided trees still in flight
+        self._plain_rounds = 0
 
     # ------------------------------------------------------------------ public
 
@@ -338,10 +348,37 @@ class SpecEngine:
 
     # ------------------------------------------------------------------ trees
 
+    PROBE_EVERY = 8  # plain rounds between two probing trees, so acceptance stays measured
+
     def _budget(self) -> int:
         b = self.fixed_budget or self.cost.choose()
+        if b == 0:
+            self._plain_rounds += 1
+            if self._plain_rounds >= self.PROBE_EVERY:
+                self._plain_rounds = 0
+                b = min(self.cost.budgets)
         self.stats.budget = b
         return b
+
+    def _plain_round(self, root: int, sampling: Sampling) -> list[int]:
+        """One token, no tree (the cost model found that drafting does not pay right now)."""
+        pos = len(self.history)
+        t = time.perf_counter()
+        self._submit(Batch(np.array([root], np.int32), np.array([pos], np.int32), [[0]],
+                           np.zeros(1, np.int32), np.ones(1, bool), lap=self._new_lap(),
+                           sampling=sampling))
+        res = self.chain.next_result()
+        self.cost.observe_lap(1, (time.perf_counter() - t) * 1e3)
+        self.stats.laps += 1
+        self.stats.rounds += 1
+        self.stats.accepted_hist[1] += 1
+        self._commit([root])
+        token = int(res.targets[0])
+        if self.drafter is not None:
+            td = time.perf_counter()
+            self.drafter.accept([token])
+            self.stats.draft_s += time.perf_counter() - td
+        return [token]
 
     def _draft_into(self, tree: core.TokenTree, under_node: int, dt: DraftTree) -> None:
         """Add a drafter's nodes below ``under_node`` (add_nodes: a parent >= 0 is a tree
@@ -356,7 +393,9 @@ class SpecEngine:
         tree = core.TokenTree(root, len(self.history))
         td = time.perf_counter()
         dt = self.drafter.propose(root, budget, self.max_depth)
-        self.stats.draft_s += time.perf_counter() - td
+        spent = time.perf_counter() - td
+        self.stats.draft_s += spent
+        self.cost.observe_draft(len(dt), spent * 1e3)
         self._draft_into(tree, 0, dt)
         tree.select(budget)
         return _Round(self._new_lap(), tree, None, t0=time.perf_counter())
@@ -427,6 +466,11 @@ class SpecEngine:
     def _rounds_sync(self, root: int, sampling: Sampling) -> Iterator[list[int]]:
         while True:
             budget = self._budget()
+            if budget == 0:
+                gained = self._plain_round(root, sampling)
+                root = gained[-1]
+                yield gained
+                continue
             rnd = self._new_tree(root, sampling, budget)
             self._send_rows(rnd, sampling, 1)
             res = self.chain.next_result()
@@ -448,6 +492,12 @@ class SpecEngine:
         stale = self._stale  # lap -> results still to come from decided trees
         while True:
             budget = self._budget()
+            if budget == 0:
+                self._drain_stale()  # a plain lap reads the next result: make it its own
+                gained = self._plain_round(root, sampling)
+                root = gained[-1]
+                yield gained
+                continue
             rnd = self._new_tree(root, sampling, budget)
             self._send_rows(rnd, sampling, self._segments(budget))
             decision = None
