@@ -66,7 +66,7 @@ def _eog_of(ring: Ring, gen: Generation) -> int | None:
 def stats_line(gen: Generation) -> str:
     s = gen.stats
     return (f"[{s.tokens} tokens in {s.decode_s:.2f} s: {s.tokens_per_s:.1f} tok/s, "
-            f"{s.mean_accepted:.2f} tokens/lap ({s.mode}), prompt {s.prompt_tokens} tokens, "
+            f"{s.mean_accepted:.2f} tokens/round ({s.mode}), prompt {s.prompt_tokens} tokens, "
             f"{s.prefill_tokens} computed]")
 
 
@@ -145,16 +145,21 @@ def _stream_answer(ring: Ring, prompt_tokens: list[int], out: TextIO, **kwargs) 
     while True:
         try:
             item = pieces.get()
-        except KeyboardInterrupt:
-            cancel.set()
-            out.write(" [stopped]")
+            if item is done:
+                break
+            out.write(item)
             out.flush()
-            continue
-        if item is done:
-            break
-        out.write(item)
-        out.flush()
-    t.join()
+        except KeyboardInterrupt:
+            # The ring finishes its current round; the pieces of that round still print, and
+            # the mark goes after them, where the answer really ends.
+            cancel.set()
+    while t.is_alive():
+        try:
+            t.join()
+        except KeyboardInterrupt:  # a second Ctrl-C while the round ends: already stopping
+            cancel.set()
+    if cancel.is_set():
+        out.write(" [stopped]")
     if "error" in holder:
         out.write(f"\n(error: {holder['error']})\n")
         return None

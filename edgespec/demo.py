@@ -29,7 +29,8 @@ def run_demo(args: argparse.Namespace) -> int:
                     verbose=getattr(args, "verbose", False)) as ring:
         t_ready = time.perf_counter()
         print(f"ring ready in {t_ready - t0:.1f} s\n", file=sys.stderr)
-        print(ring.chain.plan.table() if hasattr(ring.chain, "plan") else "", "\n")
+        if hasattr(ring.chain, "plan"):
+            print(ring.chain.plan.table() + "\n")
         prompt = args.prompt or PROMPT
         print(f">>> {prompt}\n")
         stream = ring.stream_chat([{"role": "user", "content": prompt}],
@@ -41,7 +42,8 @@ def run_demo(args: argparse.Namespace) -> int:
         s = gen.stats
         print("\n")
         print(f"{s.tokens} tokens in {s.decode_s:.2f} s = {s.tokens_per_s:.1f} tokens/s; "
-              f"mode {s.mode}, {s.mean_accepted:.2f} tokens per lap over {s.rounds} laps")
+              f"mode {s.mode}, {s.mean_accepted:.2f} tokens per round over {s.rounds} rounds "
+              f"({s.laps} laps)")
         print(json.dumps(s.as_dict(), indent=2))
     print(f"\ntotal {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return 0

@@ -41,6 +41,9 @@ from .wire import PROTOCOL_VERSION, FieldTag, Kind, Message, WireError, error_me
 
 log = logging.getLogger("edgespec.node")
 
+#: Largest batch the profile op times (a tree lap's batch is at most the tree budget).
+PROFILE_MAX_BATCH = 256
+
 
 @dataclass
 class StageSlot:
@@ -139,20 +142,47 @@ class Node:
         return slot
 
     def _on_batch(self, conn: Connection, frame: Frame) -> None:
-        batch, hidden, stage = message_batch(frame.decode())
+        try:
+            batch, hidden, stage = message_batch(frame.decode())
+        except (ValueError, KeyError) as e:  # schema-valid frame, inconsistent contents
+            raise WireError(f"bad batch: {e}") from None
         slot = self._slot(stage)
         if hidden is None and slot.stage != 0:
             raise WireError(f"stage {stage} takes hidden states, not token ids")
         if hidden is not None and slot.stage == 0:
             raise WireError("stage 0 takes token ids, not hidden states")
+        self._check_batch(slot, batch, hidden)
         slot.inbox.put(("batch", batch, hidden))
         return None
+
+    def _check_batch(self, slot: StageSlot, batch: Any, hidden: np.ndarray | None) -> None:
+        """Refuse, before it is queued, a batch this stage could never run: the sender gets
+        an ERROR reply at once, and a bad frame never reaches llama.cpp. Only checks that do
+        not depend on the KV cache belong here; position continuity is the runtime's (it is
+        known only when the batch's turn comes)."""
+        rt = slot.runtime
+        n = len(batch)
+        n_seq_max = int(getattr(rt, "n_seq_max", 0) or 0)
+        if n_seq_max:
+            top = max((max(s) for s in batch.seq_ids if s), default=0)
+            if top >= n_seq_max:
+                raise WireError(f"seq id {top} outside 0..{n_seq_max - 1} of stage {slot.stage}")
+        if hidden is None:
+            n_vocab = int(getattr(rt, "n_vocab", 0) or 0)
+            if n_vocab and n and int(batch.tokens.max()) >= n_vocab:
+                raise WireError(f"token id {int(batch.tokens.max())} outside the vocabulary "
+                                f"0..{n_vocab - 1}")
+        else:
+            n_embd = int(getattr(rt, "n_embd", 0) or 0)
+            if hidden.ndim != 2 or hidden.shape[0] != n or (n_embd and hidden.shape[1] != n_embd):
+                raise WireError(f"stage {slot.stage} takes hidden states [{n}, {n_embd}], got "
+                                f"{list(hidden.shape)}")
 
     def _on_kv(self, conn: Connection, frame: Frame) -> None:
         msg = frame.decode()
         ops = kv_ops_list(msg[FieldTag.KV_OPS])
         slot = self._slot(int(msg.meta.get("stage", 0)))
-        slot.inbox.put(("kv", ops, None))
+        slot.inbox.put(("kv", ops, msg.lap_id))
         return None
 
     def _on_prune(self, conn: Connection, frame: Frame) -> None:
@@ -171,7 +201,7 @@ class Node:
             try:
                 if kind == "kv":
                     slot.worker.apply_ops(a)
-                    self._send_on(slot, "kv", a)
+                    self._send_on(slot, "kv", (a, b))
                     continue
                 t = time.perf_counter()
                 batch, out = slot.worker.run(a, b)
@@ -187,11 +217,35 @@ class Node:
                     self._send_on(slot, "batch", (batch, out))
             except Exception as e:  # reported to the head; the stage keeps serving
                 log.exception("stage %d failed", slot.stage)
-                lap = a.lap if kind == "batch" else 0
+                lap = a.lap if kind == "batch" else int(b or 0)
                 msg = error_message("stage_failed", f"stage {slot.stage} on {self.name}: "
                                     f"{type(e).__name__}: {e}")
                 msg.lap_id = lap
                 self._to_head(slot, msg)
+
+    def _read_next(self, out: Connection) -> None:
+        """Read what the next node sends back on our link to it. Nothing is expected but an
+        ERROR (it refused a batch we passed on) or its goodbye; an ERROR is relayed to the
+        head of the stages that feed that link, so the head learns its lap failed at once
+        instead of waiting for a result that will never come."""
+        while True:
+            try:
+                msg = out.recv()
+            except Exception as e:  # link closed (or broken): the next send reports it
+                if not out.closed and not self._stop.is_set():
+                    log.warning("link to next node %s closed: %s", out.peer_node, e)
+                return
+            if msg.kind != Kind.ERROR:
+                continue
+            text = f"next node {out.peer_node}: {msg.meta.get('code')}: {msg.meta.get('message')}"
+            log.warning("%s", text)
+            with self._lock:
+                heads = {id(s.head_conn): s for s in self.slots.values()
+                         if s.next_conn is out and s.head_conn is not None}
+            for slot in heads.values():
+                err = error_message("next_refused", f"stage {slot.stage} on {self.name}: {text}")
+                err.lap_id = msg.lap_id
+                self._to_head(slot, err)
 
     def _to_head(self, slot: StageSlot, msg: Message) -> None:
         conn = slot.head_conn
@@ -216,7 +270,7 @@ class Node:
             return
         if slot.next_local is not None:
             if kind == "kv":
-                slot.next_local.inbox.put(("kv", payload, None))
+                slot.next_local.inbox.put(("kv", *payload))
             else:
                 batch, hidden = payload
                 slot.next_local.inbox.put(("batch", batch, np.ascontiguousarray(hidden)))
@@ -225,8 +279,10 @@ class Node:
         if conn is None:
             raise RuntimeError(f"stage {slot.stage} has no next stage connected")
         if kind == "kv":
-            conn.send(Message(Kind.KV_OPS, {FieldTag.KV_OPS: list(payload),
-                                             FieldTag.META: {"stage": slot.next_stage}}))
+            ops, lap = payload
+            conn.send(Message(Kind.KV_OPS, {FieldTag.KV_OPS: list(ops),
+                                             FieldTag.META: {"stage": slot.next_stage}},
+                              lap_id=int(lap or 0)))
         else:
             batch, hidden = payload
             conn.send(batch_message(batch, hidden, slot.encoding, stage=slot.next_stage))
@@ -276,10 +332,16 @@ class Node:
     def _op_profile(self, conn: Connection, meta: dict, blob: Any) -> dict:
         from .profile import profile_layers
 
+        sizes = meta.get("batch_sizes", (1, 4, 16))
+        # Bounded: a profile context holds 2 x the largest batch; a typo must not ask for GBs.
+        if (not isinstance(sizes, (list, tuple)) or not sizes
+                or not all(isinstance(b, int) and 1 <= b <= PROFILE_MAX_BATCH for b in sizes)):
+            raise WireError(f"profile: batch_sizes must be a non-empty list of integers in "
+                            f"1..{PROFILE_MAX_BATCH}, got {sizes!r}")
         model = self._resolve_model(meta)
         return profile_layers(model, cache_dir=self.cache_dir / "shards",
                               n_threads=self.n_threads, n_gpu_layers=self.n_gpu_layers,
-                              batch_sizes=tuple(meta.get("batch_sizes", (1, 4, 16))))
+                              batch_sizes=tuple(int(b) for b in sizes))
 
     def _op_load(self, conn: Connection, meta: dict, blob: Any) -> dict:
         """Load windows: {"model_path", "fingerprint", "windows": [[stage, a, b, is_last]],
@@ -328,6 +390,8 @@ class Node:
                 if out is None or out.closed:
                     out = connect(addr[0], addr[1], self.key, node_id=self.node_id)
                     self._out_conns[addr] = out
+                    threading.Thread(target=self._read_next, args=(out,), daemon=True,
+                                     name=f"edgespec-next-{addr[0]}:{addr[1]}").start()
             slot.next_conn = out
         for slot in self.slots.values():
             slot.head_conn = conn
@@ -335,7 +399,7 @@ class Node:
 
     def _op_reset(self, conn: Connection, meta: dict, blob: Any) -> dict:
         for slot in self.slots.values():
-            slot.inbox.put(("kv", kv_ops_list([(1, 0, -1, -1, 0), (3, 0, -1, -1, 0)]), None))
+            slot.inbox.put(("kv", kv_ops_list([(1, 0, -1, -1, 0), (3, 0, -1, -1, 0)]), 0))
         return {}
 
     def _op_unload(self, conn: Connection, meta: dict, blob: Any) -> dict:
@@ -373,6 +437,27 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-mdns", action="store_true", help="do not advertise over mDNS")
 
 
+def advertised_addresses(bind: str) -> list[str]:
+    """The addresses to put in the mDNS record of a node listening on ``bind``.
+
+    A node bound to one address is reachable there only. A node bound to the wildcard is
+    reachable on every interface: advertise each non-loopback IPv4 address of this host (in a
+    network namespace that is the namespace's own, e.g. its bridge address), never 0.0.0.0,
+    which would send the head to itself. With no LAN interface at all (a host with only
+    loopback) the node is advertised on 127.0.0.1, so a head on the same host still finds it.
+    """
+    from .discovery import local_addresses
+
+    if bind not in ("0.0.0.0", "::", ""):
+        return [bind]
+    addrs = local_addresses()
+    if not addrs:
+        log.warning("no non-loopback interface: advertising 127.0.0.1 only (reachable from "
+                    "this host alone)")
+        return ["127.0.0.1"]
+    return addrs
+
+
 def run_node_command(args: argparse.Namespace) -> int:
     from .auth import load_key
     from .discovery import advertise
@@ -397,8 +482,7 @@ def run_node_command(args: argparse.Namespace) -> int:
         if not args.no_mdns:
             info = describe_this_node(node.name, port, node_id=node.node_id,
                                       cache_dirs=[node.cache_dir])
-            addrs = [host] if host not in ("0.0.0.0", "::") else None
-            stack.enter_context(advertise(info, addresses=addrs))
+            stack.enter_context(advertise(info, addresses=advertised_addresses(host)))
         node.wait()
     node.close()
     print(f"edgespec node {node.name} stopped", flush=True)

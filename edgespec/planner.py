@@ -145,6 +145,13 @@ def plan_ring(n_layer: int, layer_bytes: int, nodes: Sequence[NodeProfile], *,
         speeds = [1.0 / max(n.layer_ms(batch), 1e-6) for n in nodes]
         caps = [max(0, int(n.free_mem * reserve // max(layer_bytes, 1))) if n.free_mem else
                 n_layer for n in nodes]
+        # Every ring member holds at least one layer; a node without room for one would be
+        # given it anyway by _shares' minimum and then fail to load: say so here, by name.
+        for n, cap in zip(nodes, caps, strict=True):
+            if cap == 0:
+                raise PlanError(f"node {n.name} ({n.host}:{n.port}) has {n.free_mem} bytes "
+                                f"free, not enough for one layer ({layer_bytes} bytes): free "
+                                f"memory there or leave it out of the ring")
         counts = _shares(n_layer, speeds, caps)
         if any(c < rounds for c in counts):
             raise PlanError(f"{rounds} rounds need at least {rounds} layers per node; shares "

@@ -9,11 +9,13 @@ can attach to it later (``attach``).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import logging
 import os
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -87,8 +89,9 @@ class _Member:
                 self.results.put(message_result(msg))
             elif msg.kind == Kind.ERROR:
                 meta = msg.meta
-                self.results.put(RingError(f"{self.name}: {meta.get('code')}: "
-                                           f"{meta.get('message')}"))
+                err = RingError(f"{self.name}: {meta.get('code')}: {meta.get('message')}")
+                err.lap = msg.lap_id  # type: ignore[attr-defined]
+                self.results.put(err)
             elif msg.kind == Kind.CLOSE:
                 continue
             else:
@@ -136,15 +139,21 @@ class RemoteChain:
         self._first = members[plan.windows[0].node]
         self._results = members[0].results  # shared by all members
         self.bytes_sent = 0
+        # Laps this head put into the ring. A stage reports a failed batch to the head of the
+        # ring; one that some other member sent is logged here, not raised into a generation.
+        self._laps: collections.deque[int] = collections.deque(maxlen=256)
+        self._kv_lap = secrets.randbits(30) | (1 << 30)
 
     def submit(self, batch: Batch) -> None:
+        self._laps.append(batch.lap)
         msg = batch_message(batch, stage=0)
         self._first.conn.send(msg)
 
     def kv(self, ops: Sequence[KvOp]) -> None:
         if ops:
             self._first.conn.send(Message(Kind.KV_OPS, {FieldTag.KV_OPS: list(ops),
-                                                         FieldTag.META: {"stage": 0}}))
+                                                         FieldTag.META: {"stage": 0}},
+                                          lap_id=self._kv_lap))
 
     def prune(self, nodes: Iterable[int], ops: Sequence[KvOp] = (), lap: int = 0) -> None:
         arr = np.fromiter((int(n) for n in nodes), dtype=np.int32)
@@ -156,13 +165,19 @@ class RemoteChain:
                 m.conn.send(msg)
 
     def next_result(self, timeout: float | None = 120.0) -> Result:
-        try:
-            item = self._results.get(timeout=timeout)
-        except queue.Empty:
-            raise RingError(f"no result from the ring within {timeout} s") from None
-        if isinstance(item, Exception):
-            raise item
-        return item
+        while True:
+            try:
+                item = self._results.get(timeout=timeout)
+            except queue.Empty:
+                raise RingError(f"no result from the ring within {timeout} s") from None
+            if isinstance(item, Exception):
+                lap = getattr(item, "lap", None)
+                if lap is not None and lap not in self._laps and lap != self._kv_lap:
+                    log.warning("ignoring an error about a batch this head did not send: %s",
+                                item)
+                    continue
+                raise item
+            return item
 
     def close(self) -> None:
         for m in self.members:
@@ -282,6 +297,52 @@ def load_state(path: str | os.PathLike[str] | None = None) -> dict:
     return json.loads(p.read_text())
 
 
+def _local_networks() -> list[Any]:
+    """The IPv4 networks this host has an interface on (the head's own LAN segments)."""
+    import ipaddress
+
+    import ifaddr  # a zeroconf dependency
+
+    nets = []
+    for adapter in ifaddr.get_adapters():
+        for ip in adapter.ips:
+            if isinstance(ip.ip, str):
+                with contextlib.suppress(ValueError):
+                    nets.append(ipaddress.ip_network(f"{ip.ip}/{ip.network_prefix}",
+                                                     strict=False))
+    return nets
+
+
+def pick_address(addresses: Sequence[str]) -> str | None:
+    """The address of a node's mDNS record to connect to.
+
+    A node bound to every interface advertises all its addresses (LAN, VPN, container
+    bridges...), in no useful order. Prefer one on a network the head itself is on, then any
+    other routable IPv4 address, then IPv6; skip unspecified and IPv6 link-local addresses
+    (the latter need a scope the transport does not carry). Loopback is kept last: it is right
+    only for a node on this very host.
+    """
+    import ipaddress
+
+    nets = _local_networks()
+    ranked = []
+    for i, text in enumerate(addresses):
+        try:
+            ip = ipaddress.ip_address(text.split("%", 1)[0])
+        except ValueError:
+            continue
+        if ip.is_unspecified or (ip.version == 6 and ip.is_link_local):
+            continue
+        if ip.is_loopback:
+            rank = 3
+        elif ip.version == 4 and any(ip in net for net in nets if not net.is_loopback):
+            rank = 0
+        else:
+            rank = 1 if ip.version == 4 else 2
+        ranked.append((rank, i, text))  # ties keep the record's order
+    return min(ranked)[2] if ranked else None
+
+
 def discover(expect: int | None, timeout: float) -> list[Address]:
     """Node addresses found over mDNS (compatible protocol only)."""
     from .discovery import browse
@@ -292,9 +353,12 @@ def discover(expect: int | None, timeout: float) -> list[Address]:
         if not n.compatible:
             log.warning("ignoring %s: protocol %s (we speak another)", n.name, n.proto)
             continue
-        if not n.addresses:
+        host = pick_address(n.addresses)
+        if host is None:
+            log.warning("ignoring %s: its mDNS record has no usable address (%s)", n.name,
+                        ", ".join(n.addresses) or "none")
             continue
-        addrs.append((n.addresses[0], n.port))
+        addrs.append((host, n.port))
     if expect is not None and len(addrs) < expect:
         raise RingError(f"found {len(addrs)} node(s) over mDNS within {timeout} s, expected "
                         f"{expect}: is `edgespec node` running on each device, on this LAN?")

@@ -51,13 +51,13 @@ HEALTH_SCRIPT = textwrap.dedent(
     """
     import json, sys
     from edgespec import auth, transport, wire
-    key = auth.load_key(sys.argv[1])
+    key, port = auth.load_key(sys.argv[1]), int(sys.argv[2])
     out = {}
-    for addr in sys.argv[2:]:
-        with transport.connect(addr, %d, key, node_id="probe") as c:
+    for addr in sys.argv[3:]:
+        with transport.connect(addr, port, key, node_id="probe") as c:
             out[addr] = c.request(wire.control_message("health")).meta["stages"]
     print(json.dumps(out))
-    """ % PORT
+    """
 )
 
 
@@ -136,6 +136,7 @@ def test_ring_over_mdns_across_namespaces(netns_ok, real_model_path, tmp_path: P
         up = _run(head, [*_edgespec(), "ring", "up", "--model", str(model), "--nodes", "auto",
                          "--expect", "3", "--timeout", "60", "--key-file", str(key_file)],
                   head_env, timeout=900)
+        print(up)
         assert "ring is up: 3 stages on 3 node(s)" in up, up
         state = json.loads((homes["head"] / "ring.json").read_text())
         assert [(m["name"], m["host"], m["port"]) for m in state["nodes"]] == [
@@ -147,6 +148,7 @@ def test_ring_over_mdns_across_namespaces(netns_ok, real_model_path, tmp_path: P
 
         status = _run(head, [*_edgespec(), "ring", "status", "--key-file", str(key_file)],
                       head_env, timeout=120)
+        print(status)
         rows = {}
         for line in status.splitlines():
             m = re.match(r"(n[123])\s+(\S+)\s+(\S+)\s+([\d.]+)GB\s+([\d.]+)\s+(.+)$", line)
@@ -172,7 +174,7 @@ def test_ring_over_mdns_across_namespaces(netns_ok, real_model_path, tmp_path: P
         for n in ("n1", "n2", "n3"):
             assert f"{n}: windows unloaded" in down, down
         assert not (homes["head"] / "ring.json").exists()
-        held = json.loads(_run(head, [sys.executable, "-c", HEALTH_SCRIPT, str(key_file),
+        held = json.loads(_run(head, [sys.executable, "-c", HEALTH_SCRIPT, str(key_file), str(PORT),
                                       *(hosts[n].address for n in ("n1", "n2", "n3"))],
                                head_env, timeout=60).strip().splitlines()[-1])
         assert held == {hosts[n].address: {} for n in ("n1", "n2", "n3")}

@@ -1,0 +1,241 @@
+"""`edgespec chat` driven as a user would: in a pseudo-terminal, over a local ring of two node
+processes with the real Qwen2.5-Coder-0.5B.
+
+Checked: the streamed answers are the model's greedy answers (the unsplit model as reference),
+`/stats` prints the last answer's statistics as JSON, and a second turn computes only its own
+new tokens (the earlier turns stay in the ring's KV cache). Ctrl-C stops an answer and keeps
+both the session and the ring's node processes alive.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import re
+import select
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from ring_fixtures import unsplit_greedy
+
+pytestmark = pytest.mark.real_model
+
+TURN1 = "Answer with one word only: what is the opposite of hot?"
+TURN2 = "And the opposite of up? One word only."
+PROMPT = re.compile(r"\n> $")
+STATS_LINE = re.compile(r"\n\[(\d+) tokens in [\d.]+ s: [\d.]+ tok/s, [\d.]+ tokens/round "
+                        r"\((\w+)\), prompt (\d+) tokens, (\d+) computed\]\n")
+
+
+class PtyProcess:
+    """A child on a pseudo-terminal of its own (its controlling terminal: Ctrl-C written to it
+    becomes SIGINT for the child's foreground process group, as in a real terminal)."""
+
+    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:  # the child: become the command
+            try:
+                os.execve(argv[0], argv, env)
+            finally:
+                os._exit(127)
+        self.buf = ""
+        self.log = ""  # everything read, for failure messages
+
+    def send(self, text: str) -> None:
+        os.write(self.fd, text.encode())
+
+    def expect(self, pattern: re.Pattern[str], timeout: float = 120.0) -> str:
+        """Read until ``pattern`` matches; return everything up to the end of the match
+        (newlines normalised: the terminal writes \\r\\n)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = pattern.search(self.buf)
+            if m:
+                out, self.buf = self.buf[: m.end()], self.buf[m.end():]
+                return out
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"no {pattern.pattern!r} in time; output:\n{self.log[-3000:]}")
+            ready, _, _ = select.select([self.fd], [], [], left)
+            if not ready:
+                continue
+            try:
+                data = os.read(self.fd, 65536)
+            except OSError:  # EIO: the child closed the terminal
+                data = b""
+            if not data:
+                raise AssertionError(f"chat exited while waiting for {pattern.pattern!r}; "
+                                     f"output:\n{self.log[-3000:]}")
+            text = data.decode("utf-8", errors="replace").replace("\r\n", "\n")
+            self.buf += text
+            self.log += text
+
+    def wait(self, timeout: float = 60.0) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            # Keep the terminal drained so the child never blocks on a full pty buffer.
+            ready, _, _ = select.select([self.fd], [], [], 0.2)
+            if ready:
+                try:
+                    self.log += os.read(self.fd, 65536).decode(errors="replace")
+                except OSError:
+                    pass
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.pid = 0
+                return os.waitstatus_to_exitcode(status)
+        raise AssertionError(f"chat did not exit; output:\n{self.log[-3000:]}")
+
+    def close(self) -> None:
+        if self.pid:
+            os.kill(self.pid, signal.SIGTERM)
+            try:
+                self.wait(30)
+            except AssertionError:
+                os.kill(self.pid, signal.SIGKILL)
+                os.waitpid(self.pid, 0)
+        os.close(self.fd)
+
+
+def _children(pid: int) -> list[int]:
+    kids: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            kids += [int(k) for k in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def tokenizer(real_model_path):
+    from edgespec.llamacpp import Tokenizer, load_model
+
+    model = load_model(real_model_path, vocab_only=True)
+    yield Tokenizer(model)
+    model.close()
+
+
+def _reference_answer(model_path: Path, tokenizer, messages: list[dict[str, str]]) -> str:
+    """The unsplit model's greedy answer, up to its end-of-turn token."""
+    prompt = tokenizer.chat_tokens(messages, add_generation_prompt=True)
+    toks = unsplit_greedy(model_path, prompt, 40)
+    end = next((i for i, t in enumerate(toks) if tokenizer.is_eog(t)), None)
+    assert end is not None, "reference answer did not end within 40 tokens: pick a shorter turn"
+    return tokenizer.decode(toks[:end])
+
+
+def _start_chat(*args: str) -> PtyProcess:
+    env = dict(os.environ, OMP_WAIT_POLICY="passive", TERM="dumb", PYTHONUNBUFFERED="1")
+    exe = str(Path(sys.executable).with_name("edgespec"))
+    return PtyProcess([exe, "chat", "--local", "2", *args], env)
+
+
+def _turn(chat: PtyProcess, text: str) -> tuple[str, dict[str, int | str]]:
+    """Send a user turn; return the streamed answer and the parsed statistics line."""
+    chat.send(text + "\n")
+    out = chat.expect(STATS_LINE)
+    chat.expect(PROMPT)
+    echo = out.index(text) + len(text) + 1  # the terminal echoes the typed line
+    m = STATS_LINE.search(out)
+    assert m is not None
+    stats = {"tokens": int(m.group(1)), "mode": m.group(2), "prompt_tokens": int(m.group(3)),
+             "prefill_tokens": int(m.group(4))}
+    return out[echo: m.start()], stats
+
+
+def _stats_json(chat: PtyProcess) -> dict:
+    chat.send("/stats\n")
+    out = chat.expect(PROMPT)
+    return json.loads(out[out.index("{"): out.rindex("}") + 1])
+
+
+@pytest.mark.parametrize("spec", ["none", "auto"])
+def test_two_turns_stream_stats_and_kv_reuse(spec, real_model_path, tokenizer):
+    chat = _start_chat("--spec", spec, "--max-tokens", "40")
+    try:
+        banner = chat.expect(PROMPT, timeout=180)
+        assert "over 2 stage(s)" in banner and "/stats" in banner
+
+        answer1, line1 = _turn(chat, TURN1)
+        msgs = [{"role": "user", "content": TURN1}]
+        assert answer1 == _reference_answer(real_model_path, tokenizer, msgs)
+        assert line1["mode"] == ("none" if spec == "none" else "flow")
+        assert line1["prompt_tokens"] == len(tokenizer.chat_tokens(msgs))
+        assert line1["prefill_tokens"] == line1["prompt_tokens"]  # a fresh ring computes all
+
+        answer2, line2 = _turn(chat, TURN2)
+        msgs += [{"role": "assistant", "content": answer1}, {"role": "user", "content": TURN2}]
+        assert answer2 == _reference_answer(real_model_path, tokenizer, msgs)
+
+        stats = _stats_json(chat)
+        assert stats["tokens"] == line2["tokens"] > 0
+        assert stats["prompt_tokens"] == line2["prompt_tokens"]
+        assert stats["prefill_tokens"] == line2["prefill_tokens"]
+        assert stats["mode"] == line2["mode"]
+        # The new turn's template tokens: what follows answer 1's end-of-turn token.
+        new_turn = tokenizer.encode(f"\n<|im_start|>user\n{TURN2}<|im_end|>\n"
+                                    "<|im_start|>assistant\n", add_special=False,
+                                    parse_special=True)
+        # Turn 2's prompt is the whole conversation: turn 1's prompt, answer 1, its
+        # end-of-turn token, the new turn.
+        assert stats["prompt_tokens"] == (line1["prompt_tokens"] + line1["tokens"] + 1
+                                          + len(new_turn))
+        if spec == "none":
+            # Only the new turn is computed, plus answer 1's end-of-turn token: it was
+            # generated but, being the last token, never fed back into the ring.
+            assert stats["prefill_tokens"] == len(new_turn) + 1
+        else:
+            # Speculation may have accepted tokens past the end-of-turn token in its last
+            # round (the template's own continuation): KV that the new turn reuses too.
+            assert 1 <= stats["prefill_tokens"] <= len(new_turn) + 1
+
+        chat.send("/exit\n")
+        assert chat.wait() == 0
+    finally:
+        chat.close()
+
+
+def test_ctrl_c_stops_the_answer_and_keeps_the_session(tokenizer):
+    chat = _start_chat("--max-tokens", "300")
+    try:
+        chat.expect(PROMPT, timeout=180)
+        nodes = _children(chat.pid)
+        assert len(nodes) == 2, f"expected 2 node processes under chat, found {nodes}"
+        request = "Write a Python class for a bank account with deposit, withdraw and history."
+        chat.send(request + "\n")
+        chat.expect(re.compile(re.escape(request) + r"\n.+", re.S))  # answer text has begun
+        chat.send("\x03")  # Ctrl-C on the terminal
+        out = chat.expect(STATS_LINE)
+        chat.expect(PROMPT)
+        assert " [stopped]" in out
+        m = STATS_LINE.search(out)
+        assert m is not None and 0 < int(m.group(1)) < 300
+        # Terminal signals reach only the chat: the ring's nodes keep running and answer.
+        assert all(_alive(p) for p in nodes)
+        answer, line = _turn(chat, "Thanks. Reply with just: OK")
+        assert answer.strip() and line["tokens"] > 0
+        assert line["prefill_tokens"] < line["prompt_tokens"]  # earlier turns reused
+        chat.send("/reset\n")
+        assert "(conversation cleared)" in chat.expect(PROMPT)
+        chat.send("/nonsense\n")
+        assert "unknown command /nonsense" in chat.expect(PROMPT)
+        chat.send("/exit\n")
+        assert chat.wait() == 0
+        deadline = time.monotonic() + 30
+        while any(_alive(p) for p in nodes) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(p) for p in nodes), "node processes outlived the chat"
+    finally:
+        chat.close()
