@@ -102,6 +102,9 @@ def machine_info() -> dict[str, Any]:
     with contextlib.suppress(Exception):
         info["git"] = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
                                      capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "edgespec"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+        info["edgespec_uncommitted_changes"] = bool(dirty)
     return info
 
 
@@ -662,6 +665,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f.write(json.dumps(rec) + "\n")
 
         log(f"settings: {json.dumps(settings)}")
+        ring_modes = [m for m in modes if m in ("none", "sync", "flow")]
+        for hop in hops:
+            for i, drafter in enumerate(drafters or ["retrieval"]):
+                here = [m for m in ring_modes if m != "none" or i == 0]
+                if not here:
+                    continue
+                run_ring(target, draft, drafter, stages, hop, prompts, n_tokens, here,
+                         budgets, args.threads, n_ctx, engine, record, log)
+        # After the rings: their rows come first if a long run is cut short.
         if "single" in modes:
             for lookup in (None, args.lookup_tokens):
                 res = run_single(target, prompts, n_tokens, args.threads, lookup, n_ctx, log)
@@ -671,14 +683,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                             "prompt": pi, "tokens": r["tokens"], "n_tokens": len(r["tokens"]),
                             "stats": {"decode_ms": r["decode_s"] * 1e3,
                                       "prefill_ms": r["prefill_s"] * 1e3}})
-        ring_modes = [m for m in modes if m in ("none", "sync", "flow")]
-        for hop in hops:
-            for i, drafter in enumerate(drafters or ["retrieval"]):
-                here = [m for m in ring_modes if m != "none" or i == 0]
-                if not here:
-                    continue
-                run_ring(target, draft, drafter, stages, hop, prompts, n_tokens, here,
-                         budgets, args.threads, n_ctx, engine, record, log)
 
     rows = aggregate(runs, host)
     ident = identity(runs, target, prompts, log)

@@ -12,14 +12,20 @@ extends the previous one (a chat's next turn) only prefills its new tokens.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .chain import Chain, Sampling
+from .ring import RingError
 from .spec.engine import GenerationStats, SpecEngine
+
+log = logging.getLogger("edgespec")
 
 SpecMode = str  # "none" | "sync" | "flow" | "auto"
 
@@ -79,7 +85,7 @@ class Ring:
     def __init__(self, chain: Chain, tokenizer, *, model_name: str, spec: SpecMode = "auto",
                  drafter_factory: Callable[[], Any] | None = None, n_ctx: int = 4096,
                  on_close: Callable[[], None] | None = None, engine_options: Mapping[str, Any]
-                 | None = None) -> None:
+                 | None = None, recover: Callable[[Exception], Chain] | None = None) -> None:
         self.chain = chain
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -91,6 +97,23 @@ class Ring:
         self.engine = SpecEngine(chain, drafter=self._drafter, n_ctx=n_ctx,
                                  is_eog=tokenizer.is_eog, **dict(engine_options or {}))
         self.last: Generation | None = None
+        self._recover = recover
+        self.recovery_log: list[dict[str, Any]] = []  # one entry per ring rebuild
+        self.local_nodes: Any = None  # set by Ring.local: its node processes
+
+    def _recover_from(self, exc: Exception) -> None:
+        """Rebuild the ring over the nodes still alive and carry on (``recover`` callback)."""
+        assert self._recover is not None
+        t0 = time.perf_counter()
+        log.warning("ring failure: %s; re-planning over the remaining nodes", exc)
+        with contextlib.suppress(Exception):
+            self.chain.close()
+        self.chain = self._recover(exc)
+        self.engine.replace_chain(self.chain)
+        took = time.perf_counter() - t0
+        self.recovery_log.append({"error": str(exc), "seconds": round(took, 3),
+                                  "stages": self.chain.n_stages})
+        log.warning("ring recovered in %.2f s with %d stage(s)", took, self.chain.n_stages)
 
     # ---------------------------------------------------------------- construction
 
@@ -149,33 +172,50 @@ class Ring:
                 emitted = 0
                 tokens: list[int] = []
                 finish = "length"
-                run = self.engine.run(prompt_tokens, max_tokens=max_tokens, sampling=sampling,
-                                      mode=mode, cancel=cancel)
-                try:
-                    for chunk in run:
-                        done = False
-                        for t in chunk:
-                            if self.tokenizer.is_eog(t):
-                                finish, done = "stop", True
+                done = False
+                previous: GenerationStats | None = None
+                while not done:
+                    # After a node loss the generation resumes on the rebuilt ring from exactly
+                    # where it was: prompt + tokens so far, recomputed as first decoded.
+                    run = self.engine.run(prompt_tokens + tokens,
+                                          max_tokens=max_tokens - len(tokens),
+                                          sampling=sampling, mode=mode, cancel=cancel,
+                                          replay=len(tokens))
+                    try:
+                        for chunk in run:
+                            for t in chunk:
+                                if self.tokenizer.is_eog(t):
+                                    finish, done = "stop", True
+                                    break
+                                tokens.append(t)
+                                text += detok.push(t)
+                                hit = min((i for i in (text.find(s, max(0, emitted - len(s)))
+                                                       for s in stops) if i >= 0), default=-1)
+                                if hit >= 0:
+                                    text = text[:hit]
+                                    finish, done = "stop", True
+                                    break
+                            if done:
                                 break
-                            tokens.append(t)
-                            text += detok.push(t)
-                            hit = min((i for i in (text.find(s, max(0, emitted - len(s)))
-                                                   for s in stops) if i >= 0), default=-1)
-                            if hit >= 0:
-                                text = text[:hit]
-                                finish, done = "stop", True
-                                break
-                        if done:
-                            break
-                        if cancel is not None and cancel.is_set():
-                            finish = "stop"
-                        safe = len(text) - holdback if stops else len(text)
-                        if safe > emitted:
-                            yield text[emitted:safe]
-                            emitted = safe
-                finally:
-                    run.close()
+                            if cancel is not None and cancel.is_set():
+                                finish = "stop"
+                            safe = len(text) - holdback if stops else len(text)
+                            if safe > emitted:
+                                yield text[emitted:safe]
+                                emitted = safe
+                        done = True
+                    except RingError as exc:
+                        if self._recover is None:
+                            raise
+                        previous = self.engine.stats.merged(previous)
+                        self._recover_from(exc)
+                        previous.recoveries += 1
+                    finally:
+                        run.close()
+                    if len(tokens) >= max_tokens:
+                        done = True
+                if previous is not None:
+                    self.engine.stats = self.engine.stats.merged(previous)
                 if len(text) > emitted:
                     yield text[emitted:]
                 stats = self.engine.stats

@@ -110,10 +110,12 @@ def open_local_ring(cls, model: str | os.PathLike[str], stages: int, *, draft=No
     tok_model = load_model(model_path, vocab_only=True)
     tokenizer = Tokenizer(tok_model)
     cleanup: list[Any] = [tok_model.close]
+    recover = None
+    nodes = None
     try:
         if processes:
             from .auth import write_key
-            from .ring import form_ring
+            from .ring import form_ring, reform_ring
 
             tmp = tempfile.TemporaryDirectory(prefix="edgespec-local-")
             cleanup.append(tmp.cleanup)
@@ -124,10 +126,19 @@ def open_local_ring(cls, model: str | os.PathLike[str], stages: int, *, draft=No
                                threads=threads, verbose=verbose)
             cleanup.insert(0, nodes.close)
             rngs = ranges or even_ranges(info.n_layer, stages)
-            chain = form_ring(nodes.addresses, model_path, load_key(key_file), ranges=rngs,
+            key = load_key(key_file)
+            quiet = print if verbose else (lambda s: None)
+            chain = form_ring(nodes.addresses, model_path, key, ranges=rngs,
                               rounds=rounds, n_ctx=n_ctx, encoding=encoding, profile=False,
-                              proxy=proxy, log_fn=(print if verbose else (lambda s: None)))
+                              proxy=proxy, log_fn=quiet)
             cleanup.insert(0, chain.close)
+
+            def recover(_exc: Exception):
+                # Node processes that died are gone for good; the survivors take their layers.
+                live = [a for p, a in zip(nodes.procs, nodes.addresses, strict=True)
+                        if p.poll() is None]
+                return reform_ring(live, model_path, key, n_ctx=n_ctx, encoding=encoding,
+                                   profile=False, proxy=proxy, log_fn=quiet)
         else:
             from .chain import LocalChain
             from .shard import cut_window, fingerprint
@@ -157,5 +168,6 @@ def open_local_ring(cls, model: str | os.PathLike[str], stages: int, *, draft=No
 
     ring = cls(chain, tokenizer, model_name=Path(model_path).stem, spec=spec,
                drafter_factory=lambda: drafter_obj, n_ctx=n_ctx, on_close=on_close,
-               engine_options=engine)
+               engine_options=engine, recover=recover)
+    ring.local_nodes = nodes  # the node processes (None when all windows run in-process)
     return ring

@@ -141,17 +141,29 @@ class Node:
             raise WireError(f"stage {msg_stage} is not hosted by node {self.name}")
         return slot
 
-    def _on_batch(self, conn: Connection, frame: Frame) -> None:
+    def _on_batch(self, conn: Connection, frame: Frame) -> Message | None:
         try:
-            batch, hidden, stage = message_batch(frame.decode())
-        except (ValueError, KeyError) as e:  # schema-valid frame, inconsistent contents
-            raise WireError(f"bad batch: {e}") from None
-        slot = self._slot(stage)
-        if hidden is None and slot.stage != 0:
-            raise WireError(f"stage {stage} takes hidden states, not token ids")
-        if hidden is not None and slot.stage == 0:
-            raise WireError("stage 0 takes token ids, not hidden states")
-        self._check_batch(slot, batch, hidden)
+            try:
+                batch, hidden, stage = message_batch(frame.decode())
+            except (ValueError, KeyError) as e:  # schema-valid frame, inconsistent contents
+                raise WireError(f"bad batch: {e}") from None
+            slot = self._slot(stage)
+            if hidden is None and slot.stage != 0:
+                raise WireError(f"stage {stage} takes hidden states, not token ids")
+            if hidden is not None and slot.stage == 0:
+                raise WireError("stage 0 takes token ids, not hidden states")
+            self._check_batch(slot, batch, hidden)
+        except WireError as e:
+            # Answered here rather than by the server's generic reply, so that the ERROR
+            # carries the batch's lap id: the head (directly, or through the previous node's
+            # relay in _read_next) fails exactly that lap and ignores refusals of batches
+            # it never sent.
+            self.server.errors += 1
+            log.warning("%s: refused a %s batch from %s: %s", self.name, frame.kind.name,
+                        conn.peer_node, e)
+            err = error_message("bad_payload", str(e), request_id=frame.header.request_id)
+            err.lap_id = frame.header.lap_id
+            return err
         slot.inbox.put(("batch", batch, hidden))
         return None
 

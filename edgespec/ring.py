@@ -40,6 +40,12 @@ class RingError(RuntimeError):
     """The ring could not be formed or lost a member."""
 
 
+#: Health checks to every node this often (seconds); a node that does not answer within
+#: DEAD_AFTER_S is declared lost. Override with EDGESPEC_HEARTBEAT_S / EDGESPEC_DEAD_AFTER_S.
+HEARTBEAT_S = float(os.environ.get("EDGESPEC_HEARTBEAT_S", "0.5"))
+DEAD_AFTER_S = float(os.environ.get("EDGESPEC_DEAD_AFTER_S", "2.0"))
+
+
 def state_path() -> Path:
     from .models import home
 
@@ -143,6 +149,29 @@ class RemoteChain:
         # ring; one that some other member sent is logged here, not raised into a generation.
         self._laps: collections.deque[int] = collections.deque(maxlen=256)
         self._kv_lap = secrets.randbits(30) | (1 << 30)
+        self._closed = threading.Event()
+        self.heartbeat_s = HEARTBEAT_S
+        self.dead_after_s = DEAD_AFTER_S
+        self._heartbeat = threading.Thread(target=self._beat, name="edgespec-heartbeat",
+                                           daemon=True)
+        self._heartbeat.start()
+
+    def _beat(self) -> None:
+        """Notice a dead or hung node within ``dead_after_s``: a crashed node closes its
+        connection (seen at once by the reader); a hung one stops answering health checks."""
+        while not self._closed.wait(self.heartbeat_s):
+            for m in self.members:
+                if self._closed.is_set() or not m.alive:
+                    continue
+                try:
+                    m.request("health", timeout=self.dead_after_s)
+                except Exception as e:
+                    if self._closed.is_set():
+                        return
+                    m.alive = False
+                    self._results.put(RingError(f"node {m.name} ({m.address[0]}:"
+                                                f"{m.address[1]}) stopped answering: {e}"))
+                    return
 
     def submit(self, batch: Batch) -> None:
         self._laps.append(batch.lap)
@@ -180,6 +209,7 @@ class RemoteChain:
             return item
 
     def close(self) -> None:
+        self._closed.set()
         for m in self.members:
             m.close()
 
@@ -263,6 +293,41 @@ def form_ring(addresses: Sequence[Address], model: str | os.PathLike[str], key: 
         for m in members:
             m.close()
         raise
+
+
+def alive_nodes(addresses: Sequence[Address], key: bytes, timeout: float = DEAD_AFTER_S
+                ) -> list[Address]:
+    """The addresses whose node accepts our key and answers a health check in time."""
+    alive = []
+    for host, port in addresses:
+        try:
+            conn = connect(host, port, key, node_id="head-probe", timeout=timeout)
+        except Exception:
+            continue
+        try:
+            conn.request(control_message("health"), timeout=timeout)
+            alive.append((host, port))
+        except Exception:
+            pass
+        finally:
+            conn.close()
+    return alive
+
+
+def reform_ring(addresses: Sequence[Address], model: str | os.PathLike[str], key: bytes,
+                **form_kwargs: Any) -> RemoteChain:
+    """A new ring over the nodes of ``addresses`` that are still alive (after a node loss).
+
+    Windows are re-planned over the survivors (memory permitting; otherwise the planner's
+    error says how many layers do not fit) and loaded afresh.
+    """
+    alive = alive_nodes(addresses, key)
+    if not alive:
+        raise RingError("no node of the ring is reachable any more")
+    log.warning("re-forming the ring over %d surviving node(s): %s", len(alive),
+                ", ".join(f"{h}:{p}" for h, p in alive))
+    form_kwargs.pop("ranges", None)
+    return form_ring(alive, model, key, **form_kwargs)
 
 
 def health_lap(chain: RemoteChain) -> float:
@@ -415,7 +480,8 @@ def attach_chain(state: dict, key: bytes) -> RemoteChain:
 # ------------------------------------------------------------------------ Ring constructors
 
 def _head_for(cls, chain: RemoteChain, model: Path, *, spec: str = "auto", draft=None,
-              drafter: str = "auto", n_ctx: int = 4096, on_close=None, **engine: Any):
+              drafter: str = "auto", n_ctx: int = 4096, on_close=None, recover=None,
+              **engine: Any):
     from .llamacpp import Tokenizer, load_model
     from .local import make_drafter
 
@@ -429,7 +495,7 @@ def _head_for(cls, chain: RemoteChain, model: Path, *, spec: str = "auto", draft
     drafter_obj = make_drafter(model, draft, drafter)
     return cls(chain, Tokenizer(tok_model), model_name=model.stem, spec=spec,
                drafter_factory=lambda: drafter_obj, n_ctx=n_ctx, on_close=close,
-               engine_options=engine)
+               engine_options=engine, recover=recover)
 
 
 def attach(cls, state: str | os.PathLike[str] | None = None, *, key: str | None = None,
@@ -438,8 +504,16 @@ def attach(cls, state: str | os.PathLike[str] | None = None, *, key: str | None 
     from .auth import load_key
 
     st = load_state(state)
-    chain = attach_chain(st, load_key(key or st.get("key_file")))
-    return _head_for(cls, chain, Path(st["model"]), n_ctx=int(st.get("n_ctx", 4096)), **kwargs)
+    key_bytes = load_key(key or st.get("key_file"))
+    chain = attach_chain(st, key_bytes)
+    n_ctx = int(st.get("n_ctx", 4096))
+    addrs = [(n["host"], int(n["port"])) for n in st["nodes"]]
+
+    def recover(_exc: Exception) -> RemoteChain:
+        return reform_ring(addrs, st["model"], key_bytes, n_ctx=n_ctx, profile=False,
+                           encoding=st.get("encoding", "f32"))
+
+    return _head_for(cls, chain, Path(st["model"]), n_ctx=n_ctx, recover=recover, **kwargs)
 
 
 def up(cls, model: str | os.PathLike[str], nodes: str = "auto", *, key: str | None = None,
@@ -456,4 +530,10 @@ def up(cls, model: str | os.PathLike[str], nodes: str = "auto", *, key: str | No
     chain = form_ring(addrs, model_path, key_bytes, ranges=ranges, rounds=rounds, n_ctx=n_ctx,
                       encoding=encoding)
     save_state(chain, model_path, {"encoding": encoding, "n_ctx": n_ctx, "key_file": key})
-    return _head_for(cls, chain, model_path, spec=spec, draft=draft, n_ctx=n_ctx, **engine)
+
+    def recover(_exc: Exception) -> RemoteChain:
+        return reform_ring(addrs, model_path, key_bytes, n_ctx=n_ctx, encoding=encoding,
+                           rounds=rounds, profile=False)
+
+    return _head_for(cls, chain, model_path, spec=spec, draft=draft, n_ctx=n_ctx,
+                     recover=recover, **engine)

@@ -62,6 +62,19 @@ class GenerationStats:
     rows_pruned: int = 0
     budget: int = 0
     segment: int = 0
+    recoveries: int = 0  # ring rebuilds after a node loss during this generation
+
+    def merged(self, earlier: GenerationStats | None) -> GenerationStats:
+        """These statistics with an earlier part of the same generation added in."""
+        if earlier is None:
+            return self
+        out = GenerationStats(**{**self.__dict__, "accepted_hist": Counter(self.accepted_hist)})
+        out.accepted_hist.update(earlier.accepted_hist)
+        out.prompt_tokens = earlier.prompt_tokens
+        for name in ("prefill_tokens", "laps", "rounds", "draft_s", "prefill_s", "decode_s",
+                     "rows_sent", "rows_pruned", "recoveries"):
+            setattr(out, name, getattr(out, name) + getattr(earlier, name))
+        return out
 
     @property
     def tokens_per_s(self) -> float:
@@ -83,6 +96,7 @@ class GenerationStats:
             "decode_ms": round(self.decode_s * 1e3, 2),
             "tokens_per_s": round(self.tokens_per_s, 3), "rows_sent": self.rows_sent,
             "rows_pruned": self.rows_pruned, "budget": self.budget, "segment": self.segment,
+            "recoveries": self.recoveries,
         }
 
 
@@ -226,12 +240,22 @@ class SpecEngine:
             raise ValueError(f"spec={mode!r} needs a drafter; this ring has none")
         return mode
 
+    def replace_chain(self, chain: Chain) -> None:
+        """Continue on another chain (after a node loss): its stages hold nothing yet."""
+        self.chain = chain
+        self.history = []
+        self._stale.clear()
+        self._pending_ops = [KvOp(KvOpCode.RM, 0, -1, -1), KvOp(KvOpCode.KEEP, 0)]
+
     def run(self, prompt: Sequence[int], *, max_tokens: int, sampling: Sampling,
-            mode: str = "auto", cancel: threading.Event | None = None) -> Iterator[list[int]]:
+            mode: str = "auto", cancel: threading.Event | None = None,
+            replay: int = 0) -> Iterator[list[int]]:
         """Generate after ``prompt``; yields the tokens gained by each round, in order.
 
         Stops after an end-of-generation token (which is yielded), ``max_tokens`` tokens, or
-        at the next round once ``cancel`` is set.
+        at the next round once ``cancel`` is set. ``replay``: the last ``replay`` tokens before
+        the prompt's last one are recomputed one per batch, as they were first decoded, so a
+        generation resumed on a rebuilt ring sees the same numbers as the original.
         """
         prompt = [int(t) for t in prompt]
         if not prompt:
@@ -242,7 +266,7 @@ class SpecEngine:
         mode = self.resolve_mode(mode)
         self.stats = GenerationStats(mode=mode, prompt_tokens=len(prompt))
         t0 = time.perf_counter()
-        root = self._prefill(prompt)
+        root = self._prefill(prompt, singles=replay)
         self.stats.prefill_s = time.perf_counter() - t0
         if self.drafter is not None and mode != "none":
             td = time.perf_counter()
@@ -250,6 +274,7 @@ class SpecEngine:
             self.stats.draft_s += time.perf_counter() - td
         t1 = time.perf_counter()
         produced = 0
+        failed = False
         try:
             rounds = {"none": self._rounds_none, "sync": self._rounds_sync,
                       "flow": self._rounds_flow}[mode](root, sampling)
@@ -265,15 +290,22 @@ class SpecEngine:
                     break
                 if cancel is not None and cancel.is_set():
                     break
+        except GeneratorExit:
+            raise
+        except BaseException:
+            failed = True  # the chain may be gone: do not wait on it
+            raise
         finally:
             self.stats.decode_s = time.perf_counter() - t1
-            self._flush_ops()
+            if not failed:
+                self._flush_ops()
 
     # ------------------------------------------------------------------ prefill
 
-    def _prefill(self, prompt: list[int]) -> int:
+    def _prefill(self, prompt: list[int], singles: int = 0) -> int:
         """Bring KV sequence 0 to ``prompt[:-1]``, reusing the longest common prefix with what
-        is already committed; returns the root (the last prompt token, not yet in KV)."""
+        is already committed; returns the root (the last prompt token, not yet in KV). The
+        last ``singles`` tokens go one per batch (see ``run``'s ``replay``)."""
         keep = 0
         limit = min(len(self.history), len(prompt) - 1)
         while keep < limit and self.history[keep] == prompt[keep]:
@@ -283,15 +315,20 @@ class SpecEngine:
             del self.history[keep:]
         todo = prompt[keep:-1]
         self.stats.prefill_tokens = len(todo) + 1
-        for off in range(0, len(todo), self.prefill_chunk):
-            part = todo[off: off + self.prefill_chunk]
+        n_bulk = max(0, len(todo) - max(0, singles))
+        chunks = [todo[off: min(off + self.prefill_chunk, n_bulk)]
+                  for off in range(0, n_bulk, self.prefill_chunk)]
+        chunks += [[t] for t in todo[n_bulk:]]
+        start = keep
+        for part in chunks:
             n = len(part)
-            pos = np.arange(keep + off, keep + off + n, dtype=np.int32)
+            pos = np.arange(start, start + n, dtype=np.int32)
+            start += n
             # No row is wanted: prefill only fills KV. Chunks stream back to back through the
             # stages, so a long prompt is pipelined across the ring.
             self._submit(Batch(np.array(part, np.int32), pos, [[0]] * n,
                                np.arange(n, dtype=np.int32), np.zeros(n, bool), lap=self._new_lap()))
-        for _ in range(0, len(todo), self.prefill_chunk):
+        for _ in chunks:
             self.chain.next_result()
         self.history.extend(todo)
         return prompt[-1]
