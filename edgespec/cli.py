@@ -229,6 +229,25 @@ def _ring_down(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ring_rebalance(args: argparse.Namespace) -> int:
+    from .auth import load_key
+    from .ring import load_state, parse_nodes, reform_ring, save_state
+
+    state = load_state()
+    key = load_key(args.key_file or state.get("key_file"))
+    addrs = [(n["host"], int(n["port"])) for n in state["nodes"]]
+    if args.nodes:
+        addrs += [a for a in parse_nodes(args.nodes) if a not in addrs]
+    chain = reform_ring(addrs, state["model"], key, n_ctx=int(state.get("n_ctx", 4096)),
+                        encoding=state.get("encoding", "f32"), profile=not args.no_profile,
+                        log_fn=print)
+    path = save_state(chain, state["model"], {k: state[k] for k in ("encoding", "n_ctx",
+                                                                     "key_file") if k in state})
+    chain.close()
+    print(f"ring rebalanced over {len(chain.members)} node(s); state saved to {path}")
+    return 0
+
+
 def _add_ring(sub) -> None:
     p = _add(sub, "ring", "form, inspect and stop a ring of nodes")
     rsub = p.add_subparsers(dest="ring_cmd", metavar="ACTION", required=True)
@@ -260,6 +279,11 @@ def _add_ring(sub) -> None:
     st.add_argument("--key-file", default=None, help="ring key")
     dn = _add(rsub, "down", "unload every node's windows and forget the ring", func=_ring_down)
     dn.add_argument("--key-file", default=None, help="ring key")
+    rb = _add(rsub, "rebalance", "re-plan the ring over every reachable node (takes back a "
+              "node that returned after a loss)", func=_ring_rebalance)
+    rb.add_argument("--nodes", default=None, help="extra host:port,... to take in")
+    rb.add_argument("--no-profile", action="store_true", help="skip profiling (even split)")
+    rb.add_argument("--key-file", default=None, help="ring key")
 
 
 # ------------------------------------------------------------------------------- run a ring
