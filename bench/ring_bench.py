@@ -305,6 +305,9 @@ def run_ring(target: Path, draft: Path | None, drafter: str, stages: int, hop_ms
             for m in ["none", *spec_modes]:
                 ring.generate(prompts[0][:32], max_tokens=8, spec=m)
             for pi, p in enumerate(prompts):
+                # Fill the KV with this prompt first (not recorded): the measured generations
+                # then reuse it, so their link bytes and times are decode traffic only.
+                ring.generate(p, max_tokens=1, spec="none")
                 plan: list[tuple[str, int | None]] = []
                 if "none" in modes:
                     plan.append(("none", None))
@@ -598,6 +601,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "python suggests 2 on CPU, 10 on GPU)")
     ap.add_argument("--no-projection", action="store_true")
     ap.add_argument("--out", default="bench/results/")
+    ap.add_argument("--name", default=None, help="file name prefix of the outputs (default "
+                    "ring_bench, or ring_bench_quick with --quick)")
     ap.add_argument("--report-only", action="store_true",
                     help="rebuild the reports from <out>/<prefix>_runs.jsonl")
     args = ap.parse_args(argv)
@@ -626,7 +631,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    prefix = "ring_bench_quick" if q else "ring_bench"
+    prefix = args.name or ("ring_bench_quick" if q else "ring_bench")
     runs_path = out / f"{prefix}_runs.jsonl"
     command = "python -m bench.ring_bench " + " ".join(shlex.quote(a) for a in
                                                         (argv if argv is not None else sys.argv[1:]))

@@ -152,7 +152,7 @@ class Node:
                 raise WireError(f"stage {stage} takes hidden states, not token ids")
             if hidden is not None and slot.stage == 0:
                 raise WireError("stage 0 takes token ids, not hidden states")
-            pass
+            self._check_batch(slot, batch, hidden)
         except WireError as e:
             # Answered here rather than by the server's generic reply, so that the ERROR
             # carries the batch's lap id: the head (directly, or through the previous node's

@@ -235,8 +235,8 @@ def form_ring(addresses: Sequence[Address], model: str | os.PathLike[str], key: 
               ranges: Sequence[tuple[int, int]] | None = None, stages: int | None = None,
               rounds: int = 1, n_ctx: int = 4096, n_seq_max: int = 256, encoding: str = "f32",
               profile: bool = True, proxy: Callable[[Address], Address] | None = None,
-              head_id: str = "head", log_fn: Callable[[str], None] = log.info
-              ) -> RemoteChain:
+              head_id: str = "head", log_fn: Callable[[str], None] = log.info,
+              send_shards: bool = False) -> RemoteChain:
     """Connect, (profile,) plan, load, wire and check a ring over ``addresses``."""
     from .shard import fingerprint, read_info
 
@@ -252,10 +252,18 @@ def form_ring(addresses: Sequence[Address], model: str | os.PathLike[str], key: 
             m.name = str(h.get("name") or m.name)
             prof = NodeProfile(h["node_id"], h.get("name", m.name), m.address[0], m.address[1],
                                free_mem=int(h.get("free_ram") or 0), rtt_ms=m.last_rtt_ms)
-            if profile and ranges is None:
-                p = m.request("profile", model_path=str(model_path), fingerprint=fp).meta
-                prof.ms_per_layer = {int(b): float(v) for b, v in p["ms_per_layer"].items()}
+            if profile and ranges is None and not send_shards:
+                try:
+                    p = m.request("profile", model_path=str(model_path), fingerprint=fp).meta
+                    prof.ms_per_layer = {int(b): float(v) for b, v in p["ms_per_layer"].items()}
+                except RingError as e:  # e.g. the node lacks the model: it gets the median
+                    log_fn(f"{m.name}: not profiled ({e})")
             profiles.append(prof)
+        measured = [p.ms_per_layer for p in profiles if p.ms_per_layer]
+        for p in profiles:
+            if measured and not p.ms_per_layer:
+                p.ms_per_layer = {b: float(np.median([mp.get(b, 0.0) for mp in measured]))
+                                  for b in measured[0]}
         if ranges is None and stages is not None and stages != len(members) * rounds:
             raise RingError(f"{stages} stages requested but {len(members)} nodes x {rounds} "
                             f"rounds")
@@ -266,8 +274,13 @@ def form_ring(addresses: Sequence[Address], model: str | os.PathLike[str], key: 
         for i, m in enumerate(members):
             wins = [[w.stage, w.start, w.stop, w.stage == len(plan.windows) - 1]
                     for w in plan.windows if w.node == i]
-            m.request("load", model_path=str(model_path), fingerprint=fp, windows=wins,
-                      n_ctx=n_ctx, n_seq_max=n_seq_max, encoding=encoding)
+            # A node without the model file (or with send_shards) gets its windows sent.
+            load = {"model_path": "" if send_shards else str(model_path), "fingerprint": fp,
+                    "windows": wins,
+                    "n_ctx": n_ctx, "n_seq_max": n_seq_max, "encoding": encoding}
+            if m.request("load", **load).meta.get("need_shards"):
+                load["shard_paths"] = _send_windows(m, model_path, fp, wins)
+                m.request("load", **load)
         # Wire: each stage to its successor, node to node; the last stage answers the head.
         for i, m in enumerate(members):
             links: dict[str, Any] = {}
@@ -293,6 +306,26 @@ def form_ring(addresses: Sequence[Address], model: str | os.PathLike[str], key: 
         for m in members:
             m.close()
         raise
+
+
+def _send_windows(m: _Member, model_path: Path, fp: str, wins: list) -> dict[str, str]:
+    """Cut this node's windows here and send them (resumable, sha256-checked, cached by
+    fingerprint on the node: a shard it already holds is not sent again)."""
+    from .models import home
+    from .shard import cut_window
+    from .transfer import send_shard
+
+    def request(op: str, blob: bytes | None = None, **body: Any) -> Message:
+        return m.request(op, blob=blob, timeout=120, **body)
+
+    paths = {}
+    for stage, a, b, _last in wins:
+        local = cut_window(model_path, (a, b), home() / "shards" /
+                           f"{model_path.stem}.{fp[:12]}.L{a:03d}-{b:03d}.gguf")
+        remote, sent = send_shard(request, local, fp, a, b, name=m.name)
+        log.info("shard %d:%d -> %s: %d bytes sent", a, b, m.name, sent)
+        paths[str(stage)] = remote
+    return paths
 
 
 def alive_nodes(addresses: Sequence[Address], key: bytes, timeout: float = DEAD_AFTER_S

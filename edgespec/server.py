@@ -78,16 +78,20 @@ class _Gate:
 
 
 def _error(status: int, message: str, err_type: str, code: str | None = None,
-           param: str | None = None) -> JSONResponse:
-    return JSONResponse(status_code=status, content={
+           param: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(status_code=status, headers=headers, content={
         "error": {"message": message, "type": err_type, "param": param, "code": code}})
 
 
 class _BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+    """A client error, answered as OpenAI does (400, or 404 for an unknown model)."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None,
+                 status: int = 400) -> None:
         super().__init__(message)
         self.param = param
         self.code = code
+        self.status = status
 
 
 def _sampling_args(body: dict[str, Any]) -> dict[str, Any]:
@@ -147,7 +151,8 @@ def create_app(ring: Ring, model_name: str, max_queue: int = 16) -> FastAPI:
 
     @app.exception_handler(_BadRequest)
     async def _bad_request(_: Request, exc: _BadRequest) -> JSONResponse:
-        return _error(400, str(exc), "invalid_request_error", code=exc.code, param=exc.param)
+        return _error(exc.status, str(exc), "invalid_request_error", code=exc.code,
+                      param=exc.param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -177,7 +182,7 @@ def create_app(ring: Ring, model_name: str, max_queue: int = 16) -> FastAPI:
         model = body.get("model")
         if model not in (None, model_name):
             raise _BadRequest(f"model {model!r} is not served here; use {model_name!r}",
-                              "model", code="model_not_found")
+                              "model", code="model_not_found", status=404)
         return body
 
     def _prompt_tokens(body: dict[str, Any], chat: bool) -> list[int]:
@@ -255,8 +260,10 @@ def create_app(ring: Ring, model_name: str, max_queue: int = 16) -> FastAPI:
             raise _BadRequest("'stream_options' must be an object", "stream_options")
         ticket = gate.try_enter()
         if ticket is None:
+            # Retry-After: OpenAI clients wait this long before their automatic retries.
             return _error(429, f"server busy: {max_queue} requests already queued; retry later",
-                          "rate_limit_exceeded", code="rate_limit_exceeded")
+                          "rate_limit_exceeded", code="rate_limit_exceeded",
+                          headers={"Retry-After": "1"})
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         cancel = threading.Event()

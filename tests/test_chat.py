@@ -24,8 +24,10 @@ from ring_fixtures import unsplit_greedy
 
 pytestmark = pytest.mark.real_model
 
-TURN1 = "Answer with one word only: what is the opposite of hot?"
-TURN2 = "And the opposite of up? One word only."
+# Short code answers (about 15 tokens, ending on their own); the second repeats most of the
+# first, so retrieval drafting gets accepted in turn 2.
+TURN1 = "Give a Python expression that reverses a string s. Reply with the code only."
+TURN2 = "Now one that makes s upper case. Code only."
 PROMPT = re.compile(r"\n> $")
 STATS_LINE = re.compile(r"\n\[(\d+) tokens in [\d.]+ s: [\d.]+ tok/s, [\d.]+ tokens/round "
                         r"\((\w+)\), prompt (\d+) tokens, (\d+) computed\]\n")

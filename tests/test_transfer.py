@@ -87,3 +87,42 @@ def test_out_of_order_chunk_is_refused(tmp_path):
         store.write("fp1", 0, 2, 10, b"zzz")
     with pytest.raises(TransferError, match="bad fingerprint"):
         store.path_for("../../etc", 0, 1)
+
+
+def test_ring_over_nodes_without_the_model(tmp_path, caplog):
+    """Nodes that lack the model get their windows sent; a second ring sends nothing."""
+    import logging
+
+    from tinygguf import make_tiny_gguf
+
+    from edgespec.api import Ring
+    from edgespec.llamacpp import Tokenizer, load_model
+    from edgespec.local import LocalNodes
+    from edgespec.ring import form_ring
+
+    model = make_tiny_gguf(tmp_path / "m.gguf", "qwen2", n_layer=4, n_embd=64, seed=5)
+    key_file = write_key(tmp_path / "ring.key")
+    key = load_key(key_file)
+    prompt = [5, 6, 7, 8, 9]
+    with Ring.local(model, stages=2, processes=False, spec="none") as ref_ring:
+        expected = ref_ring.generate(prompt, max_tokens=12).tokens
+    nodes = LocalNodes(2, key_file, cache_dir=tmp_path / "nodecache")
+    tok = load_model(model, vocab_only=True)
+    try:
+        for attempt in range(2):
+            caplog.clear()
+            with caplog.at_level(logging.INFO, logger="edgespec.ring"):
+                chain = form_ring(nodes.addresses, model, key, ranges=[(0, 2), (2, 4)],
+                                  n_ctx=256, send_shards=True)
+            sent = [r.getMessage() for r in caplog.records if "bytes sent" in r.getMessage()]
+            assert len(sent) == 2
+            if attempt == 0:
+                assert all(" 0 bytes sent" not in m for m in sent)
+            else:
+                assert all(m.endswith(" 0 bytes sent") for m in sent)  # cached on the nodes
+            ring = Ring(chain, Tokenizer(tok), model_name="tiny", spec="none")
+            assert ring.generate(prompt, max_tokens=12).tokens == expected
+            ring.close()
+    finally:
+        tok.close()
+        nodes.close()
