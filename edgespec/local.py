@@ -74,6 +74,16 @@ class LocalNodes:
         self.procs = []
 
 
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM when the parent dies, so a crashed head leaves no node
+    processes behind (Linux prctl PR_SET_PDEATHSIG; elsewhere a no-op)."""
+    with contextlib.suppress(Exception):
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+
+
 def _drain(p: subprocess.Popen) -> None:
     with contextlib.suppress(Exception):
         for _ in p.stdout:  # type: ignore[union-attr]

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from . import __version__
+from . import __version__, transfer
 from .chain import StageWorker
 from .frames import batch_message, message_batch, result_message
 from .transport import Connection, Frame, FrameServer, TransportError, connect
@@ -91,6 +91,7 @@ class Node:
         self._stop = threading.Event()
         self.server = FrameServer(key, node_id=self.node_id, host=host, port=port,
                                   on_disconnect=self._on_disconnect)
+        self.shards = transfer.ShardStore(self.cache_dir / "received")
         self.server.register(Kind.CONTROL, self._on_control)
         self.server.register(Kind.TOKENS, self._on_batch)
         self.server.register(Kind.HIDDEN, self._on_batch)
@@ -361,17 +362,32 @@ class Node:
         from .shard import cut_window
         from .stage import StageRuntime
 
-        model = self._resolve_model(meta)
+        sent = {int(k): Path(v) for k, v in (meta.get("shard_paths") or {}).items()}
+        fp = str(meta.get("fingerprint", ""))
+        model = None
+        if len(sent) < len(meta["windows"]):
+            try:
+                model = self._resolve_model(meta)
+            except FileNotFoundError:
+                # The head will cut the windows from its copy and send them (resumable).
+                return {"need_shards": True}
         self._unload()
         loaded = []
         for stage, a, b, is_last in meta["windows"]:
-            shard_dir = self.cache_dir / "shards"
-            path = cut_window(model, (int(a), int(b)),
-                              shard_dir / f"{model.stem}.{meta.get('fingerprint', 'x')[:12]}"
-                                          f".L{int(a):03d}-{int(b):03d}.gguf")
+            if int(stage) in sent:
+                path = sent[int(stage)]
+                if not path.resolve().is_relative_to(self.shards.root.resolve()):
+                    raise ValueError(f"shard path {path} is outside this node's shard store")
+            else:
+                assert model is not None
+                shard_dir = self.cache_dir / "shards"
+                path = cut_window(model, (int(a), int(b)),
+                                  shard_dir / f"{model.stem}.{fp[:12] or 'x'}"
+                                              f".L{int(a):03d}-{int(b):03d}.gguf")
             rt = StageRuntime(path, n_ctx=int(meta.get("n_ctx", 4096)),
                               n_seq_max=int(meta.get("n_seq_max", 256)),
-                              n_threads=self.n_threads, n_gpu_layers=self.n_gpu_layers)
+                              n_threads=self.n_threads, n_gpu_layers=self.n_gpu_layers,
+                              expect_fingerprint=fp or None)
             slot = StageSlot(int(stage), (int(a), int(b)), rt, bool(is_last),
                              encoding=str(meta.get("encoding", "f32")))
             slot.thread = threading.Thread(target=self._run_slot, args=(slot,),
@@ -413,6 +429,12 @@ class Node:
         for slot in self.slots.values():
             slot.inbox.put(("kv", kv_ops_list([(1, 0, -1, -1, 0), (3, 0, -1, -1, 0)]), 0))
         return {}
+
+    def _op_shard_status(self, conn: Connection, meta: dict, blob: Any) -> dict:
+        return transfer.handle(self.shards, meta, blob)
+
+    _op_shard_chunk = _op_shard_status
+    _op_shard_finish = _op_shard_status
 
     def _op_unload(self, conn: Connection, meta: dict, blob: Any) -> dict:
         self._unload()
