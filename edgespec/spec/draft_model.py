@@ -119,6 +119,9 @@ class DraftModelDrafter(Drafter):
         n_batch: tokens per decode call when catching up with long prompts.
     """
 
+    #: Log-prob gap (nats) within which candidates share one decode call.
+    BATCH_MARGIN = 2.0
+
     def __init__(
         self,
         model_path: str | os.PathLike[str],
@@ -335,7 +338,13 @@ class DraftModelDrafter(Drafter):
         n_new = 0
         while heap and n_new < budget:
             expand: list[tuple[_Node, float, int]] = []
+            batch_best = -heap[0][0]
             while heap and len(expand) < self.width and n_new < budget:
+                # One decode call expands several candidates at once, but only those nearly as
+                # likely as the batch's best: a confident draft then grows deep chains (what
+                # gets accepted) instead of being forced to take every unlikely sibling.
+                if expand and -heap[0][0] < batch_best - self.BATCH_MARGIN:
+                    break
                 neg, _, node, depth = heapq.heappop(heap)
                 selected.append((neg, depth, node))
                 if node.path not in self._ledger:

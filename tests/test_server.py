@@ -1,0 +1,440 @@
+"""`edgespec serve` as clients see it: the official `openai` client (and raw HTTP for exact
+shapes) against a server process over a local ring of two node processes, with the real
+Qwen2.5-Coder-0.5B.
+
+Checked: both endpoints streaming and not, usage counts, stop sequences, OpenAI-shaped
+errors, greedy answers equal to the unsplit model's, 8 concurrent clients x 5 requests equal
+to the same requests served alone, and overload: a bounded queue, 429s in OpenAI's shape
+beyond it, every accepted request completed, and a clean shutdown on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from ring_fixtures import unsplit_greedy
+
+from edgespec.server import _Gate, _sampling_args
+
+openai = pytest.importorskip("openai")
+
+MODEL = "qwen2.5-coder-0.5b-instruct"  # the served id: the GGUF file's stem
+MAX_TOKENS = 12
+CHAT = [
+    "Give a Python expression that reverses a string s. Code only.",
+    "What is 2 + 3? Answer with the number only.",
+    "Name one sorting algorithm.",
+    "Write a bash command that counts the lines of file.txt. Code only.",
+    "Say hello in French.",
+]
+COMPLETE = [
+    "def fibonacci(n):",
+    "import numpy as np\n\n# a 3x3 identity matrix\n",
+    "The capital of France is",
+    "for i in range(10):",
+    "class Point:\n    def __init__(self, x, y):\n",
+]
+REQUESTS = [("chat", p) for p in CHAT] + [("completion", p) for p in COMPLETE]
+
+
+# --------------------------------------------------------------------- without a model
+
+def test_gate_admits_one_serving_plus_max_queue_in_ticket_order():
+    gate = _Gate(2)
+    tickets = [gate.try_enter() for _ in range(4)]
+    assert tickets == [0, 1, 2, None]  # 1 served + 2 waiting; the 4th is refused
+    assert gate.state() == {"serving": 1, "queued": 2, "max_queue": 2}
+    order: list[int] = []
+
+    def run(t: int) -> None:
+        gate.wait_turn(t)
+        order.append(t)
+        gate.leave()
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in (2, 1)]
+    for th in threads:
+        th.start()
+    gate.wait_turn(0)
+    order.append(0)
+    gate.leave()
+    for th in threads:
+        th.join(10)
+    assert order == [0, 1, 2]
+    assert gate.state()["queued"] == 0 and gate.try_enter() == 3
+    with pytest.raises(ValueError):
+        _Gate(-1)
+
+
+def test_gate_with_no_queue_serves_only_when_idle():
+    gate = _Gate(0)
+    assert gate.try_enter() == 0
+    assert gate.try_enter() is None
+    gate.wait_turn(0)
+    gate.leave()
+    assert gate.try_enter() == 1
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"temperature": 3}, "temperature"), ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 2.5}, "max_tokens"), ({"top_p": "x"}, "top_p"),
+    ({"stop": [1]}, "stop"), ({"stop": ["a"] * 5}, "stop"), ({"n": 2}, "n"),
+    ({"max_tokens": True}, "max_tokens"),
+])
+def test_sampling_arguments_are_validated(body, param):
+    from edgespec.server import _BadRequest
+
+    with pytest.raises(_BadRequest) as err:
+        _sampling_args(body)
+    assert err.value.param == param
+
+
+def test_sampling_argument_defaults_and_aliases():
+    args = _sampling_args({"max_completion_tokens": 7, "stop": "\n"})
+    assert args == {"max_tokens": 7, "temperature": 1.0, "top_p": 1.0, "seed": 0,
+                    "stop": ["\n"]}
+    assert _sampling_args({})["max_tokens"] is None  # decided per endpoint and prompt
+
+
+# ------------------------------------------------------------------- the server process
+
+class ServerProcess:
+    """`edgespec serve --local 2 --port 0` in a process of its own; the port is read from
+    uvicorn's startup line (port 0: no race for a free port)."""
+
+    def __init__(self, tmp: Path, *extra: str) -> None:
+        self.log_path = tmp / "serve.log"
+        env = dict(os.environ, OMP_WAIT_POLICY="passive", PYTHONUNBUFFERED="1")
+        exe = str(Path(sys.executable).with_name("edgespec"))
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen([exe, "serve", "--local", "2", "--port", "0", *extra],
+                                         stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.base = self._wait_ready(180)
+        self.nodes = _children(self.proc.pid)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def _wait_ready(self, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = re.search(r"Uvicorn running on (http://[\d.]+:\d+)", self.log())
+            if m:
+                base = m.group(1)
+                status, body = http("GET", base + "/v1/models")
+                assert status == 200, body
+                return base
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited ({self.proc.returncode}):\n{self.log()}")
+            time.sleep(0.2)
+        raise AssertionError(f"server not ready in {timeout} s:\n{self.log()}")
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base + "/v1", api_key="unused", **kw)
+
+    def stop(self) -> int:
+        """SIGTERM, as a service manager would; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"server ignored SIGTERM:\n{self.log()}") from None
+        finally:
+            for pid in self.nodes:  # never leave node processes behind, even on failure
+                if _alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+
+
+def _children(pid: int) -> list[int]:
+    kids: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            kids += [int(k) for k in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except OSError:
+        return False
+
+
+def http(method: str, url: str, body: object | bytes | None = None) -> tuple[int, dict]:
+    """A raw request: (status, parsed JSON body)."""
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=300) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def ask(client: openai.OpenAI, kind: str, prompt: str, stream: bool, **kw) -> dict:
+    """One request through the openai client; text, finish reason and usage as a dict."""
+    kw = {"max_tokens": MAX_TOKENS, "temperature": 0, **kw}
+    model = kw.pop("model", MODEL)
+    if kind == "chat":
+        msgs = [{"role": "user", "content": prompt}]
+        if not stream:
+            r = client.chat.completions.create(model=model, messages=msgs, **kw)
+            return {"text": r.choices[0].message.content, "finish": r.choices[0].finish_reason,
+                    "usage": r.usage.model_dump(include={"prompt_tokens", "completion_tokens",
+                                                         "total_tokens"})}
+        parts, finish, usage = [], None, None
+        for ch in client.chat.completions.create(model=model, messages=msgs, stream=True,
+                                                 stream_options={"include_usage": True}, **kw):
+            if ch.usage is not None:
+                usage = ch.usage.model_dump(include={"prompt_tokens", "completion_tokens",
+                                                     "total_tokens"})
+            if ch.choices:
+                parts.append(ch.choices[0].delta.content or "")
+                finish = ch.choices[0].finish_reason or finish
+        return {"text": "".join(parts), "finish": finish, "usage": usage}
+    if not stream:
+        r = client.completions.create(model=model, prompt=prompt, **kw)
+        return {"text": r.choices[0].text, "finish": r.choices[0].finish_reason,
+                "usage": r.usage.model_dump(include={"prompt_tokens", "completion_tokens",
+                                                     "total_tokens"})}
+    parts, finish = [], None
+    for ch in client.completions.create(model=model, prompt=prompt, stream=True, **kw):
+        parts.append(ch.choices[0].text)
+        finish = ch.choices[0].finish_reason or finish
+    return {"text": "".join(parts), "finish": finish, "usage": None}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = ServerProcess(tmp_path_factory.mktemp("serve"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def alone(server):
+    """Every request of REQUESTS served alone (one after another), non-streaming."""
+    client = server.client()
+    return {(kind, p): ask(client, kind, p, stream=False) for kind, p in REQUESTS}
+
+
+# ------------------------------------------------------------------------------ tests
+
+@pytest.mark.real_model
+def test_models_and_health(server):
+    models = server.client().models.list().data
+    assert [m.id for m in models] == [MODEL]
+    status, health = http("GET", server.base + "/health")
+    assert status == 200 and health["status"] == "ok"
+    assert health["queued"] == 0 and health["max_queue"] == 16
+
+
+@pytest.mark.real_model
+def test_chat_answer_is_the_unsplit_models_greedy_answer(server, alone, real_model_path):
+    from edgespec.llamacpp import Tokenizer, load_model
+
+    model = load_model(real_model_path, vocab_only=True)
+    try:
+        tok = Tokenizer(model)
+        for prompt in CHAT[:2]:
+            ids = tok.chat_tokens([{"role": "user", "content": prompt}])
+            ref = unsplit_greedy(real_model_path, ids, MAX_TOKENS)
+            end = next((i for i, t in enumerate(ref) if tok.is_eog(t)), len(ref))
+            got = alone[("chat", prompt)]
+            assert got["text"] == tok.decode(ref[:end])
+            assert got["finish"] == ("stop" if end < len(ref) else "length")
+            assert got["usage"] == {"prompt_tokens": len(ids), "completion_tokens": end,
+                                    "total_tokens": len(ids) + end}
+    finally:
+        model.close()
+
+
+@pytest.mark.real_model
+def test_streaming_equals_non_streaming(server, alone):
+    client = server.client()
+    for kind, prompt in [REQUESTS[0], REQUESTS[5], REQUESTS[7]]:
+        got = ask(client, kind, prompt, stream=True)
+        ref = alone[(kind, prompt)]
+        assert got["text"] == ref["text"] and got["finish"] == ref["finish"]
+        if kind == "chat":  # stream_options.include_usage: a final usage chunk
+            assert got["usage"] == ref["usage"]
+
+
+@pytest.mark.real_model
+def test_completion_usage_and_stop_sequence(server, alone):
+    client = server.client()
+    ref = alone[("completion", "def fibonacci(n):")]
+    assert ref["finish"] == "length" and ref["usage"]["completion_tokens"] == MAX_TOKENS
+    assert "\n" in ref["text"].strip("\n")
+    cut = ref["text"].index("\n", 1)  # the first line break after the first character
+    for stream in (False, True):
+        got = ask(client, "completion", "def fibonacci(n):", stream, stop=["\n"])
+        # Greedy: the same text, ended just before the stop sequence (never including it).
+        assert ref["text"].startswith(got["text"] + "\n")
+        assert len(got["text"]) <= cut and got["finish"] == "stop"
+    # Omitted max_tokens: OpenAI's legacy default of 16 tokens.
+    r = client.completions.create(model=MODEL, prompt="def f(x):", temperature=0)
+    assert r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length"
+
+
+@pytest.mark.real_model
+def test_errors_have_openais_shape(server):
+    client = server.client(max_retries=0)
+    model = MODEL
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-4", messages=[{"role": "user",
+                                                                  "content": "hi"}])
+    assert e.value.code == "model_not_found" and e.value.param == "model"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt="x " * 4000, max_tokens=200)
+    assert e.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=[{"role": "user",
+                                                               "content": "hi"}], n=2)
+    assert e.value.param == "n"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=[{"role": "robot",
+                                                               "content": "hi"}])
+    assert e.value.param == "messages"
+    shape = {"message", "type", "param", "code"}
+    for method, path, body, want in [
+            ("POST", "/v1/chat/completions", b"{not json", 400),
+            ("POST", "/v1/completions", {"prompt": 5}, 400),
+            ("POST", "/v1/completions", {"prompt": "x", "temperature": -1}, 400),
+            ("GET", "/v1/nowhere", None, 404),
+            ("GET", "/v1/completions", None, 405)]:
+        status, got = http(method, server.base + path, body)
+        assert status == want, (path, got)
+        assert set(got) == {"error"} and set(got["error"]) == shape, got
+        assert got["error"]["type"] == "invalid_request_error"
+    # The ring is unharmed by the refused requests.
+    status, health = http("GET", server.base + "/health")
+    assert health["serving"] == 0 and health["queued"] == 0
+
+
+@pytest.mark.real_model
+def test_eight_concurrent_clients_match_requests_served_alone(server, alone):
+    def client_run(c: int) -> list[tuple[tuple[str, str], bool, dict]]:
+        client = server.client(max_retries=0)
+        out = []
+        for j in range(5):
+            kind, prompt = REQUESTS[(c + 3 * j) % len(REQUESTS)]
+            stream = (c + j) % 2 == 1
+            out.append(((kind, prompt), stream, ask(client, kind, prompt, stream)))
+        return out
+
+    with ThreadPoolExecutor(8) as pool:
+        results = [r for rs in pool.map(client_run, range(8)) for r in rs]
+    assert len(results) == 40
+    for key, stream, got in results:
+        ref = alone[key]
+        assert got["text"] == ref["text"], (key, stream)
+        assert got["finish"] == ref["finish"], (key, stream)
+        if got["usage"] is not None:
+            assert got["usage"] == ref["usage"], (key, stream)
+    assert {k for k, _, _ in results} == set(alone)  # every request kind was exercised
+
+
+@pytest.mark.real_model
+def test_overload_bounded_queue_429_and_clean_shutdown(tmp_path):
+    srv = ServerProcess(tmp_path, "--max-queue", "2")
+    try:
+        client = srv.client(max_retries=0)
+        alone_chat = {p: ask(client, "chat", p, stream=False, max_tokens=8) for p in CHAT[:3]}
+
+        # A long streaming request holds the ring while the burst arrives.
+        holder_req = urllib.request.Request(
+            srv.base + "/v1/completions", method="POST",
+            headers={"Content-Type": "application/json"},
+            data=json.dumps({"prompt": "1, 2, 3, 4, 5, 6, 7, 8,", "max_tokens": 200,
+                             "temperature": 0, "stream": True}).encode())
+        holder = urllib.request.urlopen(holder_req, timeout=300)
+        first = holder.readline()
+        assert first.startswith(b"data: ")
+
+        peaks = {"queued": 0}
+        watching = threading.Event()
+
+        def watch() -> None:
+            while not watching.is_set():
+                _, h = http("GET", srv.base + "/health")
+                peaks["queued"] = max(peaks["queued"], h["queued"])
+                time.sleep(0.02)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        barrier = threading.Barrier(15)
+
+        def burst(i: int) -> tuple[str, object]:
+            prompt = CHAT[i % 3]
+            barrier.wait()
+            if i % 5 == 4:  # some through the openai client, the rest raw for exact shapes
+                try:
+                    return "ok", (prompt, ask(client, "chat", prompt, False, max_tokens=8))
+                except openai.RateLimitError as e:
+                    return "429", (e.status_code, {"error": e.body})
+            status, body = http("POST", srv.base + "/v1/chat/completions", {
+                "messages": [{"role": "user", "content": prompt}], "max_tokens": 8,
+                "temperature": 0})
+            if status == 200:
+                return "ok", (prompt, {"text": body["choices"][0]["message"]["content"]})
+            return "429", (status, body)
+
+        with ThreadPoolExecutor(15) as pool:
+            outcomes = list(pool.map(burst, range(15)))
+        rest = holder.read().decode()
+        holder.close()
+        watching.set()
+        watcher.join()
+
+        accepted = [v for k, v in outcomes if k == "ok"]
+        rejected = [v for k, v in outcomes if k == "429"]
+        assert len(accepted) + len(rejected) == 15
+        # The ring was busy with the holder: the first two wait in the queue, and the burst
+        # has more requests than the queue holds, so some are refused.
+        assert len(accepted) >= 2 and len(rejected) >= 1
+        for status, body in rejected:
+            assert status == 429
+            err = body["error"]
+            assert set(err) == {"message", "type", "param", "code"}
+            assert err["code"] == "rate_limit_exceeded" and err["type"] == "rate_limit_exceeded"
+            assert "retry" in err["message"]
+        for prompt, got in accepted:  # every accepted request completed, correctly
+            assert got["text"] == alone_chat[prompt]["text"]
+        assert peaks["queued"] <= 2  # the queue never grew past --max-queue
+        assert rest.rstrip().endswith("data: [DONE]")
+        assert '"finish_reason": "length"' in rest  # the holder completed in full
+
+        _, health = http("GET", srv.base + "/health")
+        assert health["serving"] == 0 and health["queued"] == 0
+        assert ask(client, "chat", CHAT[0], False, max_tokens=8)["text"] == \
+            alone_chat[CHAT[0]]["text"]
+        nodes = list(srv.nodes)
+        assert len(nodes) == 2
+    except BaseException:
+        srv.stop()
+        raise
+    # SIGTERM: the server shuts down, closes the ring and ends its node processes.
+    assert srv.stop() == 0, srv.log()
+    deadline = time.monotonic() + 30
+    while any(_alive(p) for p in nodes) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in nodes), "node processes outlived the server"
+    assert "Traceback" not in srv.log()
