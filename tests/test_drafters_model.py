@@ -63,7 +63,7 @@ def assert_root_matches(drafter: DraftModelDrafter, ref: Reference, atol: float 
     want = ref.logprobs(hist)
     assert int(tree.tokens[0]) == int(np.argmax(want))
     np.testing.assert_allclose(tree.logprobs, want[tree.tokens], atol=atol)
-    if atol <= 1e-3:
+    if atol <= 3e-3:
         assert tree.tokens.tolist() == np.argsort(-want)[: drafter.top_k].tolist()
 
 
@@ -206,7 +206,10 @@ def test_speculative_loop_keeps_draft_kv_in_step(tiny: dict[str, Path], draft_re
                 d.accept(accepted)
                 out += accepted
             assert out[:24] == want
-            assert_root_matches(d, draft_ref)
+            # The draft KV was built by decode calls of varying batch shapes, which llama.cpp
+            # rounds differently (~1e-3 here after 24 tokens); a wrong or stale KV cell moves
+            # log-probs by far more than this bound.
+            assert_root_matches(d, draft_ref, atol=3e-3)
     finally:
         target.close()
 
