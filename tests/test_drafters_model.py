@@ -251,7 +251,8 @@ def test_real_model_pair(real_model_path: Path) -> None:
             d.accept(_branch_path(tree) + [13])
             # Q5_0/Q8_0 matmuls round differently per batch shape: in a plain context, the same
             # text decoded as one batch vs token by token already differs by 0.11 on a top-2
-            # log-prob (0.30 max over the vocabulary), so 1e-3 holds only on float32 tiny models.
-            assert_root_matches(d, ref, atol=0.15)
+            # log-prob (0.30 max over the vocabulary), so 1e-3 holds only on float32 tiny models;
+            # a missing or stale KV cell moves these log-probs by far more.
+            assert_root_matches(d, ref, atol=0.3)
     finally:
         ref.close()
