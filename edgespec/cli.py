@@ -131,8 +131,8 @@ def _keygen(args: argparse.Namespace) -> int:
 
 def _add_keygen(sub) -> None:
     p = _add(sub, "keygen", "create the ring key every member must hold", func=_keygen)
-    p.add_argument("--key-file", default=None, help="where to write it (default: the edgespec "
-                   "home's ring.key, or $EDGESPEC_KEY_FILE)")
+    p.add_argument("--key-file", default=None, help="where to write it (default: "
+                   "$EDGESPEC_KEY_FILE, else ~/.config/edgespec/ring.key)")
     p.add_argument("--force", action="store_true", help="overwrite an existing key")
 
 

@@ -462,8 +462,8 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bind", default="0.0.0.0", help="address to listen on")
     p.add_argument("--name", default=None, help="name advertised on the LAN (default: hostname)")
     p.add_argument("--key-file", default=None,
-                   help="ring key (default: $EDGESPEC_KEY_FILE or the edgespec home's ring.key; "
-                        "copy it from the head, or run `edgespec keygen`)")
+                   help="ring key (default: $EDGESPEC_KEY_FILE, else ~/.config/edgespec/ring.key; "
+                        "copy it from the head, where `edgespec keygen` made it)")
     p.add_argument("--cache", default=None, help="cache directory for models and shards")
     p.add_argument("--n-gpu-layers", type=int, default=0, help="layers to offload to a GPU")
     p.add_argument("--threads", type=int, default=None,
