@@ -4,7 +4,8 @@ Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/complet
 ``stream: true`` as server-sent events (``stream_options.include_usage`` adds a final usage
 chunk), usage counts, stop sequences and errors in OpenAI's shape
 (``{"error": {"message", "type", "param", "code"}}``) for every status, including 404s.
-``GET /health`` reports whether a request is being served and how many wait.
+``GET /health`` reports whether a request is being served, how many wait, and how many
+were completed, abandoned by their client, or rejected.
 
 One ring holds one KV cache, so requests run one at a time in arrival order (a FIFO gate):
 nothing from one request can leak into another's context. The queue is bounded: besides the
@@ -168,9 +169,18 @@ def create_app(ring: Ring, model_name: str, max_queue: int = 16) -> FastAPI:
         return {"object": "list", "data": [
             {"id": model_name, "object": "model", "created": 0, "owned_by": "edgespec"}]}
 
+    counts = {"completed": 0, "abandoned": 0, "rejected": 0}
+    counts_lock = threading.Lock()
+
+    def count(what: str) -> None:
+        with counts_lock:
+            counts[what] += 1
+
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": model_name, **gate.state()}
+        with counts_lock:
+            done = dict(counts)
+        return {"status": "ok", "model": model_name, **gate.state(), **done}
 
     async def _parse(request: Request) -> dict[str, Any]:
         try:
@@ -213,8 +223,8 @@ def create_app(ring: Ring, model_name: str, max_queue: int = 16) -> FastAPI:
                 "completion_tokens": gen.stats.tokens,
                 "total_tokens": gen.stats.prompt_tokens + gen.stats.tokens}
 
-    def _launch(ticket: int, make_stream: Callable[[], TextStream], cancel: threading.Event
-                ) -> asyncio.Queue:
+    def _launch(ticket: int, make_stream: Callable[[], TextStream], cancel: threading.Event,
+                max_tokens: int) -> asyncio.Queue:
         """Run the generation in a thread of its own once its turn comes; pieces, then the
         ``Generation`` (or the exception), then ``None`` arrive on the returned queue.
         A thread per request (not the loop's small default pool) so that requests waiting
@@ -229,11 +239,16 @@ def create_app(ring: Ring, model_name: str, max_queue: int = 16) -> FastAPI:
             try:
                 gate.wait_turn(ticket)
                 if cancel.is_set():  # the client left while queued: skip it entirely
+                    count("abandoned")
                     return
                 stream = make_stream()
                 for piece in stream:
                     put(piece)
-                put(stream.result)
+                gen = stream.result
+                # Abandoned: the client hung up and the generation stopped short for it.
+                left = cancel.is_set() and gen is not None and gen.stats.tokens < max_tokens
+                count("abandoned" if left else "completed")
+                put(gen)
             except Exception as exc:  # reported to the client (error body or SSE event)
                 put(exc)
             finally:
@@ -260,6 +275,7 @@ def create_app(ring: Ring, model_name: str, max_queue: int = 16) -> FastAPI:
             raise _BadRequest("'stream_options' must be an object", "stream_options")
         ticket = gate.try_enter()
         if ticket is None:
+            count("rejected")
             # Retry-After: OpenAI clients wait this long before their automatic retries.
             return _error(429, f"server busy: {max_queue} requests already queued; retry later",
                           "rate_limit_exceeded", code="rate_limit_exceeded",
@@ -268,7 +284,7 @@ def create_app(ring: Ring, model_name: str, max_queue: int = 16) -> FastAPI:
         created = int(time.time())
         cancel = threading.Event()
         queue = _launch(ticket, lambda: ring.stream_tokens(tokens, cancel=cancel, **args),
-                        cancel)
+                        cancel, args["max_tokens"])
 
         if body.get("stream"):
             return StreamingResponse(
@@ -278,15 +294,19 @@ def create_app(ring: Ring, model_name: str, max_queue: int = 16) -> FastAPI:
         gen: Generation | None = None
         failure: Exception | None = None
         getter: asyncio.Task | None = None
+        next_check = time.monotonic() + 0.5
         try:
             while True:
+                # Nothing streams back to a plain request, so look for a hang-up every half
+                # second (pieces keep arriving meanwhile, so not only on a quiet queue).
+                if time.monotonic() >= next_check and not cancel.is_set():
+                    next_check = time.monotonic() + 0.5
+                    if await request.is_disconnected():
+                        cancel.set()
                 # One pending get at a time, never cancelled: no item can be lost to a timeout.
                 getter = getter or asyncio.ensure_future(queue.get())
                 done, _ = await asyncio.wait({getter}, timeout=0.5)
                 if not done:
-                    # Nothing streams back to a plain request, so look for a hang-up here.
-                    if await request.is_disconnected():
-                        cancel.set()
                     continue
                 item, getter = getter.result(), None
                 if item is None:
