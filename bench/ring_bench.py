@@ -268,7 +268,8 @@ def run_single(model_path: Path, prompts: list[list[int]], n_tokens: int, thread
                 if len(toks) >= n_tokens:
                     break
             dt = time.perf_counter() - t
-            out.append({"tokens": toks, "decode_s": dt, "prefill_s": prefill})
+            out.append({"tokens": toks, "decode_s": dt, "prefill_s": prefill,
+                        "load_avg_1m": round(os.getloadavg()[0], 2)})
             log(f"  single{' lookup' if lookup else ''}: {len(toks)} tok "
                 f"{len(toks) / dt:.2f} tok/s")
     finally:
@@ -322,7 +323,9 @@ def run_ring(target: Path, draft: Path | None, drafter: str, stages: int, hop_ms
                            "budget": "-" if mode == "none" else (budget or "auto"),
                            "hop_ms": hop_ms, "prompt": pi, "tokens": g.tokens,
                            "n_tokens": len(g.tokens), "stats": st,
-                           "link_bytes": link_bytes(before, after, n_nodes)}
+                           "link_bytes": link_bytes(before, after, n_nodes),
+                           # The host is shared: other users' load shows up here.
+                           "load_avg_1m": round(os.getloadavg()[0], 2)}
                     record(rec)
                     log(f"  p{pi} {mode:<5} {rec['drafter']:<9} b={rec['budget']!s:<4} "
                         f"{st['tokens_per_s']:7.2f} tok/s  acc/round "
@@ -358,6 +361,9 @@ def aggregate(runs: list[dict[str, Any]], host: dict[str, Any]) -> list[dict[str
             "tokens_per_s": round(toks / dec, 3) if dec else 0.0,
             "ms_per_token": round(dec * 1e3 / toks, 2) if toks else None,
         }
+        loads = [r["load_avg_1m"] for r in rs if "load_avg_1m" in r]
+        if loads:
+            row["load_avg_1m_mean"] = round(statistics.mean(loads), 2)
         if mode != "single":
             laps = sum(r["stats"]["laps"] for r in rs)
             rounds = sum(r["stats"]["rounds"] for r in rs)
@@ -498,8 +504,8 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = ["| mode | drafter | budget | hop ms | tok/s | ms/tok | laps/tok | tok/round | "
-             "rows/round | B/tok/hop | x none | x single |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "rows/round | B/tok/hop | x none | x single | load |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def f(v: Any, fmt: str = "{:.2f}") -> str:
         return "-" if v is None else fmt.format(v)
@@ -511,7 +517,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"| {f(r['ms_per_token'], '{:.1f}')} | {f(r.get('laps_per_token'))} | "
             f"{f(r.get('tokens_per_round'))} | {f(r.get('rows_per_round'), '{:.1f}')} | "
             f"{f(r.get('bytes_per_token_per_stage_hop'), '{:,.0f}')} | "
-            f"{f(r['x_none'])} | {f(r['x_single'])} |")
+            f"{f(r['x_none'])} | {f(r['x_single'])} | {f(r.get('load_avg_1m_mean'))} |")
     return "\n".join(lines)
 
 
@@ -534,7 +540,8 @@ def write_report(out: Path, prefix: str, rows: list[dict[str, Any]], ident: dict
           "tokens gained per verified tree (accepted + bonus). rows/round: tree rows sent per "
           "round. B/tok/hop: bytes per generated token on a stage-to-stage link (measured at "
           "the kernel). x none: vs none at the same hop; x single: vs single-process "
-          "llama-cpp-python without speculation.", ""]
+          "llama-cpp-python without speculation. load: the host's mean 1-minute load average at the "
+          "end of each generation (2 logical CPUs here, shared with other users).", ""]
     md += [f"![tokens/s against hop delay]({prefix}.png)", ""]
     md += ["## Greedy identity", "",
            f"Reference: `{ident['reference']}`. {ident['identical']} of {ident['runs']} "
@@ -603,6 +610,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/results/")
     ap.add_argument("--name", default=None, help="file name prefix of the outputs (default "
                     "ring_bench, or ring_bench_quick with --quick)")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the complete rings/single runs of <prefix>_runs.jsonl (same "
+                         "settings) and run only the rest")
     ap.add_argument("--report-only", action="store_true",
                     help="rebuild the reports from <out>/<prefix>_runs.jsonl")
     args = ap.parse_args(argv)
@@ -661,33 +671,60 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.report_only:
         runs = [json.loads(line) for line in runs_path.read_text().splitlines() if line]
     else:
-        runs = []
-        runs_path.write_text("")
-
-        def record(rec: dict[str, Any]) -> None:
-            runs.append(rec)
-            with runs_path.open("a") as f:
-                f.write(json.dumps(rec) + "\n")
-
-        log(f"settings: {json.dumps(settings)}")
         ring_modes = [m for m in modes if m in ("none", "sync", "flow")]
+        # Units of work: one ring per (hop, drafter), one Llama per single variant.
+        units: list[tuple[str, Any, str, list[str]]] = []
         for hop in hops:
             for i, drafter in enumerate(drafters or ["retrieval"]):
                 here = [m for m in ring_modes if m != "none" or i == 0]
-                if not here:
-                    continue
+                if here:
+                    units.append((f"ring/{hop:g}/{drafter}", hop, drafter, here))
+        if "single" in modes:
+            units += [("single/-", None, "-", ["single"]),
+                      (f"single/lookup{args.lookup_tokens}", args.lookup_tokens, "lookup",
+                       ["single"])]
+
+        def expected(unit: tuple[str, Any, str, list[str]]) -> int:
+            per_prompt = sum(1 if m in ("none", "single") else len(budgets) for m in unit[3])
+            return per_prompt * n_prompts
+
+        runs = []
+        if args.resume and runs_path.exists():
+            old = [json.loads(line) for line in runs_path.read_text().splitlines() if line]
+            done = {u[0] for u in units
+                    if sum(r.get("unit") == u[0] for r in old) == expected(u)}
+            runs = [r for r in old if r.get("unit") in done]
+            log(f"resume: keeping {len(runs)} generations of {sorted(done)}")
+        runs_path.write_text("".join(json.dumps(r) + "\n" for r in runs))
+        done_units = {r["unit"] for r in runs}
+
+        log(f"settings: {json.dumps(settings)}")
+        for unit in units:
+            name, hop, drafter, here = unit
+            if name in done_units:
+                continue
+
+            def record(rec: dict[str, Any], name: str = name) -> None:
+                rec["unit"] = name
+                runs.append(rec)
+                with runs_path.open("a") as f:
+                    f.write(json.dumps(rec) + "\n")
+
+            if name.startswith("ring/"):
                 run_ring(target, draft, drafter, stages, hop, prompts, n_tokens, here,
                          budgets, args.threads, n_ctx, engine, record, log)
-        # After the rings: their rows come first if a long run is cut short.
-        if "single" in modes:
-            for lookup in (None, args.lookup_tokens):
-                res = run_single(target, prompts, n_tokens, args.threads, lookup, n_ctx, log)
-                for pi, r in enumerate(res):
-                    record({"mode": "single", "drafter": "lookup" if lookup else "-",
-                            "budget": f"lookup{lookup}" if lookup else "-", "hop_ms": None,
-                            "prompt": pi, "tokens": r["tokens"], "n_tokens": len(r["tokens"]),
-                            "stats": {"decode_ms": r["decode_s"] * 1e3,
-                                      "prefill_ms": r["prefill_s"] * 1e3}})
+                continue
+            # single runs after the rings (listed last): their rows come first if a long run
+            # is cut short.
+            lookup = hop
+            res = run_single(target, prompts, n_tokens, args.threads, lookup, n_ctx, log)
+            for pi, r in enumerate(res):
+                record({"mode": "single", "drafter": drafter,
+                        "budget": f"lookup{lookup}" if lookup else "-", "hop_ms": None,
+                        "prompt": pi, "tokens": r["tokens"], "n_tokens": len(r["tokens"]),
+                        "stats": {"decode_ms": r["decode_s"] * 1e3,
+                                  "prefill_ms": r["prefill_s"] * 1e3},
+                        "load_avg_1m": r["load_avg_1m"]})
 
     rows = aggregate(runs, host)
     ident = identity(runs, target, prompts, log)

@@ -192,6 +192,7 @@ class _Round:
     t0: float = 0.0
     expansions: int = 0
     seg_rows: dict[int, tuple[int, int]] = field(default_factory=dict)
+    streamed: int = 0  # accepted tokens already handed out before the round's decision
 
 
 class SpecEngine:
@@ -220,6 +221,7 @@ class SpecEngine:
         self._pending_ops: list[KvOp] = [KvOp(KvOpCode.RM, 0, -1, -1), KvOp(KvOpCode.KEEP, 0)]
         self._stale: Counter = Counter()  # lap -> results of decided trees still in flight
         self._plain_rounds = 0
+        self._room = 0
 
     # ------------------------------------------------------------------ public
 
@@ -274,16 +276,18 @@ class SpecEngine:
             self.stats.draft_s += time.perf_counter() - td
         t1 = time.perf_counter()
         produced = 0
+        self._room = max_tokens  # tokens the caller still wants (flow stops expanding past it)
         failed = False
+        rounds = {"none": self._rounds_none, "sync": self._rounds_sync,
+                  "flow": self._rounds_flow}[mode](root, sampling)
         try:
-            rounds = {"none": self._rounds_none, "sync": self._rounds_sync,
-                      "flow": self._rounds_flow}[mode](root, sampling)
             for chunk in rounds:
                 chunk = chunk[: max_tokens - produced]
                 eog = next((i for i, t in enumerate(chunk) if self.is_eog(t)), None)
                 if eog is not None:
                     chunk = chunk[: eog + 1]
                 produced += len(chunk)
+                self._room = max_tokens - produced
                 self.stats.tokens = produced
                 yield chunk
                 if eog is not None or produced >= max_tokens:
@@ -298,6 +302,9 @@ class SpecEngine:
         finally:
             self.stats.decode_s = time.perf_counter() - t1
             if not failed:
+                # Close the round generator now (not at garbage collection): a round cut
+                # short registers its batches in flight, which are drained right after.
+                rounds.close()
                 self._flush_ops()
 
     # ------------------------------------------------------------------ prefill
@@ -536,31 +543,50 @@ class SpecEngine:
                 yield gained
                 continue
             rnd = self._new_tree(root, sampling, budget)
+            rnd_chain = self.chain
             self._send_rows(rnd, sampling, self._segments(budget))
             decision = None
             ready: dict[int, object] = {}  # segment -> result, fed in segment order
             next_seg = 0
-            while decision is None:
-                res = self.chain.next_result()
-                self.stats.laps += 1
-                if res.lap != rnd.lap:
-                    stale[res.lap] -= 1  # a decided tree's segment: already pruned, ignore
-                    continue
-                rnd.outstanding.discard(res.segment)
-                ready[res.segment] = res
-                # A fully pruned segment may answer early (from the stage that dropped it);
-                # the verifier takes rows in order, so feed contiguous segments only.
-                while decision is None and next_seg in ready:
-                    r = ready.pop(next_seg)
-                    a, _b = rnd.seg_rows[next_seg]
-                    next_seg += 1
-                    d = rnd.verifier.feed_targets(r.targets, a, rows=r.nodes)
-                    if d.status == core.ACCEPTED:
-                        decision = d
-                    else:
-                        self._prune_and_expand(rnd, d, sampling)
-                if decision is None and not rnd.outstanding and next_seg not in ready:
-                    raise RuntimeError("flow verification stalled: no segment left in flight")
+            streamed = 0  # accepted tokens of this round already handed out
+            try:
+                while decision is None:
+                    res = self.chain.next_result()
+                    self.stats.laps += 1
+                    if res.lap != rnd.lap:
+                        stale[res.lap] -= 1  # a decided tree's segment: already pruned
+                        continue
+                    rnd.outstanding.discard(res.segment)
+                    ready[res.segment] = res
+                    # A fully pruned segment may answer early (from the stage that dropped
+                    # it); the verifier takes rows in order, so feed contiguous segments only.
+                    while decision is None and next_seg in ready:
+                        r = ready.pop(next_seg)
+                        a, _b = rnd.seg_rows[next_seg]
+                        next_seg += 1
+                        d = rnd.verifier.feed_targets(r.targets, a, rows=r.nodes)
+                        if d.status == core.ACCEPTED:
+                            decision = d
+                        else:
+                            self._prune_and_expand(rnd, d, sampling)
+                            # A pending decision's tokens are final: stream them now.
+                            if len(d.tokens) > streamed:
+                                new = [int(t) for t in d.tokens[streamed:]]
+                                streamed = rnd.streamed = len(d.tokens)
+                                yield new
+                    if decision is None and not rnd.outstanding and next_seg not in ready:
+                        raise RuntimeError("flow verification stalled: no segment in flight")
+            except GeneratorExit:
+                # The caller has all it wants in the middle of a round: forget the round
+                # (nothing of it was committed) and drop its rows everywhere. (Unless the
+                # chain was replaced after a failure: then there is nothing to clean.)
+                if self.chain is not rnd_chain:
+                    raise
+                if rnd.outstanding:
+                    stale[rnd.lap] += len(rnd.outstanding)
+                self.chain.prune(range(rnd.sent_rows), (), lap=rnd.lap)
+                self._pending_ops.append(KvOp(KvOpCode.KEEP, 0))
+                raise
             self.cost.observe_lap(rnd.sent_rows, (time.perf_counter() - rnd.t0) * 1e3)
             if rnd.outstanding:
                 # Everything still in flight belongs to a decided tree: drop it on the way.
@@ -568,7 +594,7 @@ class SpecEngine:
                 self.chain.prune(range(rnd.sent_rows), (), lap=rnd.lap)
             gained = self._finish_round(rnd, decision)
             root = gained[-1]
-            yield gained
+            yield gained[streamed:]
 
     def _prune_and_expand(self, rnd: _Round, d, sampling: Sampling) -> None:
         """After a partial decision: drop rows off the accepted path from batches still in
@@ -584,6 +610,8 @@ class SpecEngine:
             self._pending_ops.extend(_op_from_core(op) for op in np.asarray(plan.ops).reshape(-1, 5))
         if self.drafter is None or len(rnd.outstanding) >= max(1, self.chain.n_stages - 1):
             return
+        if len(d.tokens) - rnd.streamed >= self._room:
+            return  # the caller wants no more tokens than this round already holds
         frontier = int(d.path[-1])
         seg = self.stats.segment or 4
         td = time.perf_counter()
