@@ -376,19 +376,9 @@ class SpecEngine:
 
     def _rounds_none(self, root: int, sampling: Sampling) -> Iterator[list[int]]:
         while True:
-            pos = len(self.history)
-            t = time.perf_counter()
-            self._submit(Batch(np.array([root], np.int32), np.array([pos], np.int32), [[0]],
-                               np.zeros(1, np.int32), np.ones(1, bool), lap=self._new_lap(),
-                               sampling=sampling))
-            res = self.chain.next_result()
-            self.cost.observe_lap(1, (time.perf_counter() - t) * 1e3)
-            self.stats.laps += 1
-            self.stats.rounds += 1
-            self.stats.accepted_hist[1] += 1
-            self._commit([root])
-            root = int(res.targets[0])
-            yield [root]
+            gained = self._plain_round(root, sampling, tell_drafter=False)
+            root = gained[-1]
+            yield gained
 
     # ------------------------------------------------------------------ trees
 
@@ -404,8 +394,10 @@ class SpecEngine:
         self.stats.budget = b
         return b
 
-    def _plain_round(self, root: int, sampling: Sampling) -> list[int]:
-        """One token, no tree (the cost model found that drafting does not pay right now)."""
+    def _plain_round(self, root: int, sampling: Sampling, tell_drafter: bool = True
+                     ) -> list[int]:
+        """One token, no tree: mode ``none``, or a tree mode whose cost model found that
+        drafting does not pay right now (then the drafter still learns the token)."""
         pos = len(self.history)
         t = time.perf_counter()
         self._submit(Batch(np.array([root], np.int32), np.array([pos], np.int32), [[0]],
@@ -418,7 +410,7 @@ class SpecEngine:
         self.stats.accepted_hist[1] += 1
         self._commit([root])
         token = int(res.targets[0])
-        if self.drafter is not None:
+        if tell_drafter and self.drafter is not None:
             td = time.perf_counter()
             self.drafter.accept([token])
             self.stats.draft_s += time.perf_counter() - td
