@@ -366,7 +366,7 @@ def _add_demo(sub) -> None:
     p.add_argument("--stages", type=int, default=2, help="node processes in the local ring")
     p.add_argument("--spec", choices=("auto", "none", "sync", "flow"), default="auto",
                    help="speculative decoding mode")
-    p.add_argument("--max-tokens", type=int, default=160, help="answer length")
+    p.add_argument("--max-tokens", type=int, default=256, help="answer length")
     p.add_argument("--prompt", default=None, help="your own prompt instead of the built-in one")
 
 
