@@ -194,15 +194,17 @@ class StageWorker:
             last_window = self.is_last and i == len(self.runtimes) - 1
             want = np.flatnonzero(batch.want) if last_window else None
             if last_window and len(want) == 0:
-                rt_forward(rt, batch, x, want_rows=None, need_output=False)
+                # Nothing wanted (a prefill chunk): llama.cpp needs one output row; asking
+                # for the last alone keeps the output head off every other row.
+                rt_forward(rt, batch, x, want_rows=[len(batch) - 1])
                 return batch, np.zeros(0, dtype=np.int32)
-            x = rt_forward(rt, batch, x, want_rows=want, need_output=True)
+            x = rt_forward(rt, batch, x, want_rows=want)
         if self.is_last:
             return batch, pick_targets(x, batch.pos[batch.want], batch.sampling)
         return batch, x
 
 
-def rt_forward(rt, batch: Batch, hidden: np.ndarray | None, want_rows, need_output: bool):
+def rt_forward(rt, batch: Batch, hidden: np.ndarray | None, want_rows):
     """One window's forward pass (token ids into a first window, hidden states otherwise)."""
     inputs = batch.tokens if hidden is None else hidden
     return rt.forward(inputs, batch.pos, batch.seq_ids, want_rows=want_rows)
