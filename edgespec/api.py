@@ -120,7 +120,7 @@ class Ring:
     @classmethod
     def local(cls, model: str | Path = "qwen2.5-coder-0.5b", stages: int = 2, *,
               draft: str | Path | None = None, spec: SpecMode = "auto", n_ctx: int = 4096,
-              processes: bool = True, hop_ms: float = 0.0, verbose: bool = False,
+              processes: bool = True, verbose: bool = False,
               **kwargs: Any) -> Ring:
         """A ring of ``stages`` windows on this machine.
 
@@ -128,12 +128,16 @@ class Ring:
         process on loopback, over the same authenticated transport as a LAN ring; with
         ``processes=False`` all windows run in this process (fast start, for scripts/tests).
         ``draft`` names a draft model (same tokenizer) for model/hybrid drafting; without it,
-        retrieval drafting is used.
+        retrieval drafting is used. Further keywords: ``drafter`` ("auto", "retrieval",
+        "model", "hybrid"), ``ranges`` / ``rounds`` (layer windows), ``threads`` (per node),
+        ``encoding`` ("f32" exact, "f16", "q8"), ``proxy`` (address -> address, e.g. a link
+        emulator on every connection), and engine settings ``budget``, ``segments``,
+        ``max_depth``.
         """
         from . import local as _local
 
         return _local.open_local_ring(cls, model, stages, draft=draft, spec=spec, n_ctx=n_ctx,
-                                      processes=processes, hop_ms=hop_ms, verbose=verbose,
+                                      processes=processes, verbose=verbose,
                                       **kwargs)
 
     @classmethod

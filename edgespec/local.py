@@ -107,7 +107,7 @@ def make_drafter(model_path: Path, draft: str | os.PathLike[str] | None, kind: s
 
 def open_local_ring(cls, model: str | os.PathLike[str], stages: int, *, draft=None,
                     spec: str = "auto", n_ctx: int = 4096, processes: bool = True,
-                    hop_ms: float = 0.0, verbose: bool = False, drafter: str = "auto",
+                    verbose: bool = False, drafter: str = "auto",
                     encoding: str = "f32", threads: int = 1, proxy=None,
                     ranges=None, rounds: int = 1, **engine: Any):
     """Build a ``Ring`` (class ``cls``) over ``stages`` windows of ``model`` on this host."""
