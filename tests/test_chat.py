@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from proc_helpers import alive, children
 from ring_fixtures import assert_same_greedy, unsplit_greedy
 
 pytestmark = pytest.mark.real_model
@@ -101,23 +102,6 @@ class PtyProcess:
                 os.kill(self.pid, signal.SIGKILL)
                 os.waitpid(self.pid, 0)
         os.close(self.fd)
-
-
-def _children(pid: int) -> list[int]:
-    kids: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            kids += [int(k) for k in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return kids
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +204,7 @@ def test_ctrl_c_stops_the_answer_and_keeps_the_session(tokenizer):
     chat = _start_chat("--max-tokens", "300")
     try:
         chat.expect(PROMPT, timeout=180)
-        nodes = _children(chat.pid)
+        nodes = children(chat.pid)
         assert len(nodes) == 2, f"expected 2 node processes under chat, found {nodes}"
         request = "Write a Python class for a bank account with deposit, withdraw and history."
         chat.send(request + "\n")
@@ -232,7 +216,7 @@ def test_ctrl_c_stops_the_answer_and_keeps_the_session(tokenizer):
         m = STATS_LINE.search(out)
         assert m is not None and 0 < int(m.group(1)) < 300
         # Terminal signals reach only the chat: the ring's nodes keep running and answer.
-        assert all(_alive(p) for p in nodes)
+        assert all(alive(p) for p in nodes)
         answer, line = _turn(chat, "Thanks. Reply with just: OK")
         assert answer.strip() and line["tokens"] > 0
         assert line["prefill_tokens"] < line["prompt_tokens"]  # earlier turns reused
@@ -243,8 +227,8 @@ def test_ctrl_c_stops_the_answer_and_keeps_the_session(tokenizer):
         chat.send("/exit\n")
         assert chat.wait() == 0
         deadline = time.monotonic() + 30
-        while any(_alive(p) for p in nodes) and time.monotonic() < deadline:
+        while any(alive(p) for p in nodes) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not any(_alive(p) for p in nodes), "node processes outlived the chat"
+        assert not any(alive(p) for p in nodes), "node processes outlived the chat"
     finally:
         chat.close()

@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from proc_helpers import alive, children
 from ring_fixtures import NEAR_TIE, unsplit_greedy
 
 from edgespec.server import _Gate, _sampling_args
@@ -127,7 +128,7 @@ class ServerProcess:
             self.proc = subprocess.Popen([exe, "serve", "--local", "2", "--port", "0", *extra],
                                          stdout=log, stderr=subprocess.STDOUT, env=env)
         self.base = self._wait_ready(180)
-        self.nodes = _children(self.proc.pid)
+        self.nodes = children(self.proc.pid)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -161,25 +162,8 @@ class ServerProcess:
             raise AssertionError(f"server ignored SIGTERM:\n{self.log()}") from None
         finally:
             for pid in self.nodes:  # never leave node processes behind, even on failure
-                if _alive(pid):
+                if alive(pid):
                     os.kill(pid, signal.SIGKILL)
-
-
-def _children(pid: int) -> list[int]:
-    kids: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            kids += [int(k) for k in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return kids
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
-    except OSError:
-        return False
 
 
 def http(method: str, url: str, body: object | bytes | None = None) -> tuple[int, dict]:
@@ -521,7 +505,7 @@ def test_overload_bounded_queue_429_and_clean_shutdown(tmp_path):
     # SIGTERM: the server shuts down, closes the ring and ends its node processes.
     assert srv.stop() == 0, srv.log()
     deadline = time.monotonic() + 30
-    while any(_alive(p) for p in nodes) and time.monotonic() < deadline:
+    while any(alive(p) for p in nodes) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not any(_alive(p) for p in nodes), "node processes outlived the server"
+    assert not any(alive(p) for p in nodes), "node processes outlived the server"
     assert "Traceback" not in srv.log()
