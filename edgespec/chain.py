@@ -106,7 +106,7 @@ class Chain(Protocol):
 
     def submit(self, batch: Batch) -> None: ...
     def next_result(self, timeout: float | None = None) -> Result: ...
-    def prune(self, nodes: Iterable[int], ops: Sequence[KvOp] = ()) -> None: ...
+    def prune(self, nodes: Iterable[int], ops: Sequence[KvOp] = (), lap: int = 0) -> None: ...
     def kv(self, ops: Sequence[KvOp]) -> None: ...
     def close(self) -> None: ...
 
@@ -255,11 +255,6 @@ class LocalChain:
                 targets = np.zeros(0, dtype=np.int32)
             return Result(item.lap, item.segment, wanted, targets)
         raise RuntimeError("next_result() with nothing submitted")
-
-    def drain(self) -> None:
-        """Apply queued KV operations that no result waits for."""
-        while self._queue and isinstance(self._queue[0], list):
-            self.worker.apply_ops(self._queue.popleft())
 
     def close(self) -> None:
         self._queue.clear()

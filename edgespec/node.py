@@ -276,8 +276,8 @@ class Node:
             return
         if kind == "empty":
             batch = payload
-            # Keep the pruned batch's place in the ring with a one-row placeholder would
-            # cost compute; instead tell the head directly that nothing survived.
+            # Every row was pruned: rather than send a placeholder on through the ring (which
+            # would cost compute), tell the head directly that nothing of it survived.
             self._to_head(slot, result_message(batch.select(np.zeros(len(batch), bool)),
                                                np.zeros(0, np.int32)))
             return
