@@ -65,9 +65,13 @@ class Plan:
         lines = [f"{'stage':>5} {'layers':>9} {'node':<20} {'address':<22} {'ms/layer':>8}"]
         for w in self.windows:
             n = self.nodes[w.node]
+            speed = f"{n.layer_ms(1):>8.2f}" if n.ms_per_layer else f"{'-':>8}"
             lines.append(f"{w.stage:>5} {w.start:>4}:{w.stop:<4} {n.name[:20]:<20} "
-                         f"{n.host + ':' + str(n.port):<22} {n.layer_ms(1):>8.2f}")
-        lines.append(f"estimated lap time at batch 1: {self.est_lap_ms:.1f} ms")
+                         f"{n.host + ':' + str(n.port):<22} {speed}")
+        if all(n.ms_per_layer for n in self.nodes):
+            lines.append(f"estimated lap time at batch 1: {self.est_lap_ms:.1f} ms")
+        else:
+            lines.append("(not profiled: layers split as given)")
         return "\n".join(lines)
 
     def as_dict(self) -> dict:
