@@ -208,12 +208,14 @@ def link_bytes(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, i
 
 @contextlib.contextmanager
 def _no_extra_bufts() -> Iterator[None]:
-    """``llama_cpp.Llama`` has no ``use_extra_bufts`` argument; its AMX path segfaults on these
-    Xeons (DESIGN 3.6). Hand it default model params with extra buffer types off while it loads
-    (unless EDGESPEC_EXTRA_BUFTS=1 asks for them)."""
+    """``llama_cpp.Llama`` has no ``use_extra_bufts`` argument; its AMX path segfaults on AMX
+    Xeons (DESIGN 3.6). Hand it default model params with extra buffer types as the ring's
+    stages get them (edgespec.llamacpp.extra_bufts_default) while it loads."""
     import llama_cpp.llama_cpp as ll
 
-    if os.environ.get("EDGESPEC_EXTRA_BUFTS", "") not in ("", "0"):
+    from edgespec.llamacpp import extra_bufts_default
+
+    if extra_bufts_default():
         yield
         return
     orig = ll.llama_model_default_params
@@ -598,6 +600,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--budgets", default="auto",
                     help="tree budgets for sync/flow: 'auto' (cost model) and/or numbers")
     ap.add_argument("--segments", type=int, default=None, help="flow segments per tree")
+    ap.add_argument("--draft-quant", choices=("q4_0", "none"), default="q4_0",
+                    help="draft with a Q4_0 copy of the draft model (default) or as given")
     ap.add_argument("--max-depth", type=int, default=None)
     ap.add_argument("--prompts", type=int, default=None)
     ap.add_argument("--tokens", type=int, default=None)
@@ -631,11 +635,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if m not in ("single", "none", "sync", "flow"):
             ap.error(f"unknown mode {m!r}")
     for d in drafters:
-        if d not in ("model", "retrieval", "auto"):
+        if d not in ("model", "retrieval", "hybrid", "auto"):
             ap.error(f"unknown drafter {d!r}")
     engine: dict[str, Any] = {}
     if args.segments:
         engine["segments"] = args.segments
+    if args.draft_quant != "q4_0":
+        engine["draft_quant"] = args.draft_quant
     if args.max_depth:
         engine["max_depth"] = args.max_depth
 

@@ -129,7 +129,9 @@ class Ring:
         ``processes=False`` all windows run in this process (fast start, for scripts/tests).
         ``draft`` names a draft model (same tokenizer) for model/hybrid drafting; without it,
         retrieval drafting is used. Further keywords: ``drafter`` ("auto", "retrieval",
-        "model", "hybrid"), ``ranges`` / ``rounds`` (layer windows), ``threads`` (per node),
+        "model", "hybrid"), ``draft_quant`` ("q4_0", the default: draft with a cached Q4_0
+        copy of the draft model, faster on CPUs and never changing the output; "none"),
+        ``ranges`` / ``rounds`` (layer windows), ``threads`` (per node),
         ``encoding`` ("f32" exact, "f16", "q8"), ``proxy`` (address -> address, e.g. a link
         emulator on every connection), and engine settings ``budget``, ``segments``,
         ``max_depth``.

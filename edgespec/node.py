@@ -277,7 +277,11 @@ class Node:
         if kind == "empty":
             batch = payload
             # Every row was pruned: rather than send a placeholder on through the ring (which
-            # would cost compute), tell the head directly that nothing of it survived.
+            # would cost compute), tell the head directly that nothing of it survived. The
+            # batch's KV operations (a new leaf's prefix copy, a decided round's commit) still
+            # go on, in ring order: the later stages must apply them exactly as this one did.
+            if batch.pre_ops:
+                self._send_on(slot, "kv", (list(batch.pre_ops), batch.lap))
             self._to_head(slot, result_message(batch.select(np.zeros(len(batch), bool)),
                                                np.zeros(0, np.int32)))
             return

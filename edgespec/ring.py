@@ -193,6 +193,9 @@ class RemoteChain:
             with contextlib.suppress(TransportError):
                 m.conn.send(msg)
 
+    def has_result(self) -> bool:
+        return not self._results.empty()
+
     def next_result(self, timeout: float | None = 120.0) -> Result:
         while True:
             try:
@@ -514,7 +517,7 @@ def attach_chain(state: dict, key: bytes) -> RemoteChain:
 
 def _head_for(cls, chain: RemoteChain, model: Path, *, spec: str = "auto", draft=None,
               drafter: str = "auto", n_ctx: int = 4096, on_close=None, recover=None,
-              **engine: Any):
+              draft_quant: str = "q4_0", **engine: Any):
     from .llamacpp import Tokenizer, load_model
     from .local import make_drafter
 
@@ -525,7 +528,7 @@ def _head_for(cls, chain: RemoteChain, model: Path, *, spec: str = "auto", draft
         if on_close is not None:
             on_close()
 
-    drafter_obj = make_drafter(model, draft, drafter)
+    drafter_obj = make_drafter(model, draft, drafter, draft_quant)
     return cls(chain, Tokenizer(tok_model), model_name=model.stem, spec=spec,
                drafter_factory=lambda: drafter_obj, n_ctx=n_ctx, on_close=close,
                engine_options=engine, recover=recover)

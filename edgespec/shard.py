@@ -55,6 +55,7 @@ __all__ = [
     "main",
     "parse_ranges",
     "read_info",
+    "read_tensor_types",
     "run_shard_command",
     "shard_model",
     "tensor_names",
@@ -714,6 +715,12 @@ def tensor_names(path: str | os.PathLike[str]) -> list[str]:
     """Tensor names in a GGUF file, in file order (diagnostics and tests)."""
     with _open(path) as h:
         return [t.name for t in h.tensors]
+
+
+def read_tensor_types(path: str | os.PathLike[str]) -> list[tuple[str, int]]:
+    """(ggml type name, data bytes) of every tensor in a GGUF file, in file order."""
+    with _open(path) as h:
+        return [(gguf.GGMLQuantizationType(t.ggml_type).name, t.nbytes) for t in h.tensors]
 
 
 # --------------------------------------------------------------------------------------------

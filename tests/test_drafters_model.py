@@ -27,7 +27,7 @@ class Reference:
     """A plain one-sequence context: log-softmax after a token sequence, greedy decoding."""
 
     def __init__(self, path: Path, n_ctx: int = 512) -> None:
-        self.model = load_model(path, use_extra_bufts=False)
+        self.model = load_model(path)  # same buffers as the drafter
         self.ctx = new_context(self.model, n_ctx=n_ctx, n_batch=n_ctx, n_threads=1)
         self.batch = llama_cpp.llama_batch_init(n_ctx, 0, 1)
 

@@ -34,7 +34,7 @@ from edgespec.planner import NodeProfile, PlanError, plan_ring
 from edgespec.ring import RingError, _head_for, form_ring, pick_address
 from edgespec.shard import fingerprint
 from edgespec.transport import RemoteError, TransportError, connect
-from edgespec.wire import FieldTag, Kind, KvOp, Message, control_message, encode_frame
+from edgespec.wire import FieldTag, Kind, KvOp, KvOpCode, Message, control_message, encode_frame
 
 REPO = Path(__file__).resolve().parents[1]
 N_TOKENS = 24
@@ -272,6 +272,26 @@ def test_bad_positions_fail_the_lap_not_the_node(ring, prompt, reference):
     chain.kv([KvOp(1, 99, -1, -1)])
     with pytest.raises(RingError, match="seq id 99"):
         chain.next_result(timeout=60)
+    assert _generate(ring, prompt) == reference
+
+
+def test_kv_ops_of_a_batch_pruned_whole_still_reach_later_stages(ring, prompt, reference):
+    """A FlowSpec segment pruned entirely at stage 0 is answered from there, but its KV
+    operations (here the prefix copy giving seq 1 its history) must still reach stage 1: the
+    next row of seq 1 continues that history on every stage."""
+    ring.reset()
+    chain = ring.chain
+    chain.submit(_batch([5, 6, 7], [0, 1, 2], [[0], [0], [0]], lap=11))
+    assert len(chain.next_result(timeout=60).targets) == 3
+    chain.prune([0], (), lap=12)  # same connection as the batch below: it lands first
+    doomed = _batch([8], [3], [[1]], lap=12)
+    doomed.pre_ops = [KvOp(KvOpCode.CP, 0, 0, 3, 1)]  # seq 0 -> seq 1, positions [0, 3)
+    chain.submit(doomed)
+    res = chain.next_result(timeout=60)
+    assert (res.lap, len(res.nodes)) == (12, 0)  # pruned: nothing of it came back
+    chain.submit(_batch([9], [3], [[1]], lap=13))  # continues seq 1 at position 3
+    res = chain.next_result(timeout=60)
+    assert res.lap == 13 and len(res.targets) == 1
     assert _generate(ring, prompt) == reference
 
 

@@ -92,6 +92,10 @@ def test_model_drafting_matches_none(ring2, none_outputs, real_model_path, mode,
             assert_same_greedy(gen.tokens, ref, real_model_path,
                                ring2.tokenizer.encode(prompt), f"{mode}/{kind} on {prompt!r}")
             assert gen.stats.mean_accepted > 1.5
+            if mode == "flow":
+                # Dynamic expansion: a round's tree grew while its first segments were in
+                # flight, so more segments came back than rounds were decided.
+                assert gen.stats.laps > gen.stats.rounds, gen.stats.as_dict()
     finally:
         drafter.close()
 

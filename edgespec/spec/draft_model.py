@@ -144,7 +144,7 @@ class DraftModelDrafter(Drafter):
         self._model: Model | None = None
         self._ctx: Context | None = None
         self._batch: llama_cpp.llama_batch | None = None
-        self._model = load_model(self.model_path, use_extra_bufts=False)  # AMX crash, DESIGN 3.6
+        self._model = load_model(self.model_path)  # extra buffers unless AMX (DESIGN 3.6)
         try:
             self.fingerprint = _fingerprint_of(self._model)
             if target is not None:
