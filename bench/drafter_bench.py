@@ -11,6 +11,7 @@ project's own Python sources (code, with realistic repetition). Tokens come from
 model's tokenizer.
 
     .venv/bin/python bench/drafter_bench.py                      # retrieval + 0.5B + hybrid
+                                      # (the 0.5B as shipped and its Q4_0 copy, side by side)
     .venv/bin/python bench/drafter_bench.py --no-model           # retrieval only (no llama.cpp)
     .venv/bin/python bench/drafter_bench.py --budgets 16,64 --rounds 40 --threads 2
 
@@ -133,6 +134,9 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=8, help="draft-model nodes decoded per call")
     ap.add_argument("--top-k", type=int, default=4, help="draft-model children per node")
     ap.add_argument("--no-model", action="store_true", help="retrieval only")
+    ap.add_argument("--draft-quant", default="none,q4_0",
+                    help="draft-model variants, side by side: 'none' (the file as given) and/or "
+                         "'q4_0' (its cached Q4_0 copy, what rings draft with by default)")
     args = ap.parse_args()
     budgets = [int(b) for b in args.budgets.split(",")]
 
@@ -158,22 +162,30 @@ def main() -> None:
         results.append({"drafter": "retrieval", "budget": budget, **res,
                         "propose_us_mean": 1e3 * res["propose_ms_mean"]})
 
-    if not args.no_model:
+    variants = [v for v in args.draft_quant.split(",") if v] if not args.no_model else []
+    if variants:
         from edgespec.spec.draft_model import DraftModelDrafter
+        from edgespec.spec.draft_quant import fast_draft
 
-        with DraftModelDrafter(model_path, model_path, n_ctx=4096, top_k=args.top_k,
+        out["draft_model_single_token_step_ms"] = {}
+    for quant in variants:
+        path = fast_draft(model_path, quant)
+        # The tokenizer is checked against the file as given: the copy must pass.
+        with DraftModelDrafter(path, model_path, n_ctx=4096, top_k=args.top_k,
                                width=args.width, n_threads=args.threads) as dm:
             step_ms = single_token_decode_ms(dm, stream, args.prompt, 8)
-            out["draft_model_single_token_step_ms"] = step_ms
+            out["draft_model_single_token_step_ms"][quant] = step_ms
             for budget in budgets:
                 res = simulate(dm, stream, args.prompt, args.rounds, budget, args.depth)
                 res["propose_vs_single_step"] = res["propose_ms_mean"] / step_ms
-                results.append({"drafter": "draft_model", "budget": budget, **res})
+                results.append({"drafter": "draft_model", "draft_quant": quant,
+                                "budget": budget, **res})
             for budget in budgets:
                 hybrid = HybridDrafter(RetrievalDrafter(), dm)
                 res = simulate(hybrid, stream, args.prompt, args.rounds, budget, args.depth)
                 res["propose_vs_single_step"] = res["propose_ms_mean"] / step_ms
-                results.append({"drafter": "hybrid", "budget": budget, **res})
+                results.append({"drafter": "hybrid", "draft_quant": quant, "budget": budget,
+                                **res})
     json.dump(out, sys.stdout, indent=2)
     print()
 

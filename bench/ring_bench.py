@@ -672,7 +672,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "budgets": [b or "auto" for b in budgets], "prompts": n_prompts,
                 "prompt_tokens": [len(p) for p in prompts], "tokens": n_tokens,
                 "threads": args.threads, "lookup_tokens": args.lookup_tokens,
-                "engine": engine, "tasks": [t["task_id"] for t in tasks]}
+                "draft_quant": args.draft_quant, "engine": engine,
+                "tasks": [t["task_id"] for t in tasks]}
 
     if args.report_only:
         runs = [json.loads(line) for line in runs_path.read_text().splitlines() if line]
