@@ -297,7 +297,10 @@ def _add_ring_choice(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec", choices=("auto", "none", "sync", "flow"), default="auto",
                    help="speculative decoding mode")
     p.add_argument("--draft", default=None,
-                   help="draft model (same tokenizer) for model+retrieval drafting")
+                   help="draft model (same tokenizer), e.g. qwen2.5-coder-0.5b for the 1.5B")
+    p.add_argument("--draft-quant", choices=("q4_0", "none"), default="q4_0",
+                   help="draft with a cached Q4_0 copy of the draft model (default; made once, "
+                        "faster on CPUs, never changes the output) or with the file as given")
     p.add_argument("--ctx", type=int, default=4096, help="context size")
 
 
@@ -306,11 +309,11 @@ def _open_ring(args: argparse.Namespace):
     from .ring import state_path
 
     if args.local is None and state_path().exists():
-        return Ring.attach(spec=args.spec, draft=args.draft)
+        return Ring.attach(spec=args.spec, draft=args.draft, draft_quant=args.draft_quant)
     n = args.local or 2
     print(f"starting a local ring of {n} node processes for {args.model}...", file=sys.stderr)
     return Ring.local(args.model, stages=n, draft=args.draft, spec=args.spec, n_ctx=args.ctx,
-                      verbose=args.verbose)
+                      verbose=args.verbose, draft_quant=args.draft_quant)
 
 
 def _chat(args: argparse.Namespace) -> int:

@@ -97,8 +97,9 @@ def make_drafter(model_path: Path, draft: str | os.PathLike[str] | None, kind: s
     ``kind="auto"``: the draft model when one is given (in flow mode it beat hybrid 2.08x to
     1.01x over ``none``: 1.5B target, 4 stages, 10 ms hops, 4 HumanEval prompts; retrieval's
     guesses take the hybrid's small per-segment budget first and are accepted less often),
-    else retrieval. ``draft_quant``: draft with a cached Q4_0 copy of the draft model (``"none"``: as given);
-    see :mod:`edgespec.spec.draft_quant` for why that never changes the output."""
+    else retrieval. ``draft_quant``: draft with a cached Q4_0 copy of the draft model
+    (``"none"``: as given); see :mod:`edgespec.spec.draft_quant` for why that never changes the
+    output."""
     from .spec import RetrievalDrafter
 
     if draft is None or kind == "retrieval":

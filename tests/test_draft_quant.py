@@ -49,6 +49,20 @@ def test_fast_draft_makes_one_cached_q4_0_copy(home, tmp_path):
         fast_draft(src, "q2_k")
 
 
+def test_a_failed_copy_falls_back_to_the_file_as_given(home, tmp_path, monkeypatch):
+    import edgespec.spec.draft_quant as dq
+
+    def refuse(src, dst, qtype):
+        Path(dst).write_bytes(b"half a file")
+        raise dq.LlamaLoadError("llama.cpp could not quantize it (code 1)")
+
+    monkeypatch.setattr(dq, "quantize_model", refuse)
+    src = make_tiny_gguf(tmp_path / "draft.gguf", n_layer=2, n_embd=64, seed=5)
+    assert fast_draft(src) == src  # only speed is lost
+    derived = home / "models" / "derived"
+    assert not list(derived.glob("*"))  # no half-written copy left behind
+
+
 def test_quantized_draft_keeps_the_targets_tokenizer(home, tmp_path):
     """The copy still passes the tokenizer check against the original (same vocabulary) and
     drafts: quantization changes only how good its guesses are."""

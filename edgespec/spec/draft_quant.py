@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .. import models
-from ..llamacpp import quantize_model
+from ..llamacpp import LlamaLoadError, quantize_model
 from ..shard import fingerprint, read_tensor_types
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,10 @@ def fast_draft(path: str | os.PathLike[str], qtype: str = "q4_0",
     try:
         quantize_model(src, partial, qtype)
         os.replace(partial, out)  # atomic: a concurrent head sees no file or the whole one
+    except LlamaLoadError as e:
+        # Only speed is lost: draft with the file as given.
+        log.warning("%s; drafting with %s as it is", e, src.name)
+        return src
     finally:
         partial.unlink(missing_ok=True)
     return out
