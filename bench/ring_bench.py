@@ -102,7 +102,7 @@ def machine_info() -> dict[str, Any]:
     with contextlib.suppress(Exception):
         info["git"] = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
                                      capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "edgespec"],
+        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "src/edgespec"],
                                capture_output=True, text=True, check=True).stdout.strip()
         info["edgespec_uncommitted_changes"] = bool(dirty)
     return info

@@ -224,7 +224,7 @@ class StageRuntime:
             self._capture = None
             cb, ud = None, None
             if not self.is_last:
-                from . import _core
+                from ._native import core as _core
 
                 fns = llamacpp.ggml_function_addresses()
                 self._capture = _core.HiddenCapture(

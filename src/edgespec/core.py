@@ -43,7 +43,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from edgespec import _core
+from edgespec._native import core as _core
 
 ACCEPTED: int = _core.ACCEPTED
 PENDING: int = _core.PENDING
