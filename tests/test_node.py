@@ -499,7 +499,8 @@ def test_ring_status_and_down_with_dead_nodes(tiny_model, keys, tmp_path):
         state["nodes"][2]["port"] = black_hole.getsockname()[1]
         state_file.write_text(json.dumps(state))
         rows = status()
-        assert rows["s0"].endswith("loaded"), rows
+        # s0 still holds its window, but its link to the dead s1 is gone: status says so.
+        assert rows["s0"].endswith("loaded, link down"), rows
         assert re.search(r"unreachable \(.*(refused|Refused)", rows["s1"]), rows
         assert re.search(r"unreachable \(.*timed out", rows["s2"]), rows
 

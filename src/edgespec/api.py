@@ -8,6 +8,13 @@ A ``Ring`` is the head: it owns the tokenizer and chat template (from llama.cpp)
 drafters and the speculative engine, and drives a chain of stages (local, or on nodes). One
 ring serves one conversation at a time; its KV cache is reused across calls, so a prompt that
 extends the previous one (a chat's next turn) only prefills its new tokens.
+
+The ``Ring`` is the session that owns a generation, so it owns its failures
+(``edgespec.errors``): a bad request raises ``RequestError`` before anything is sent; a stage
+that fails this request raises ``StageFailure`` after the head resynchronised the ring (the
+next request starts clean, nothing is rebuilt); a lost node makes it re-form the ring and
+replay the generation, at most ``MAX_RECOVERIES`` times in a row, with backoff, before it gives
+up with ``RingError``.
 """
 
 from __future__ import annotations
@@ -22,12 +29,16 @@ from pathlib import Path
 from typing import Any
 
 from .chain import Chain, Sampling
-from .ring import RingError
+from .errors import NodeLost, RequestError, RingError, StageFailure
 from .spec.engine import GenerationStats, SpecEngine
 
 log = logging.getLogger("edgespec")
 
 SpecMode = str  # "none" | "sync" | "flow" | "auto"
+
+#: Ring rebuilds tried in a row for one generation before giving up, and the first backoff.
+MAX_RECOVERIES = 3
+RECOVERY_BACKOFF_S = 0.5
 
 
 @dataclass
@@ -38,6 +49,9 @@ class Generation:
     tokens: list[int]
     stats: GenerationStats
     finish_reason: str  # "stop" (EOG or stop sequence) or "length"
+    #: The max_tokens actually used when the one asked for did not fit in the context left
+    #: after the prompt (llama.cpp's rule: cap, don't fail); None when it fitted.
+    capped_max_tokens: int | None = None
 
 
 class TextStream:
@@ -100,20 +114,46 @@ class Ring:
         self._recover = recover
         self.recovery_log: list[dict[str, Any]] = []  # one entry per ring rebuild
         self.local_nodes: Any = None  # set by Ring.local: its node processes
+        self.draft_name: str | None = None  # the draft model's file name, if any
 
     def _recover_from(self, exc: Exception) -> None:
-        """Rebuild the ring over the nodes still alive and carry on (``recover`` callback)."""
+        """Rebuild the ring over the nodes still alive and carry on (``recover`` callback).
+
+        Tries at most MAX_RECOVERIES times, with doubling backoff while nodes are still
+        unreachable; raises RingError saying so when the ring cannot be rebuilt."""
         assert self._recover is not None
         t0 = time.perf_counter()
         log.warning("ring failure: %s; re-planning over the remaining nodes", exc)
         with contextlib.suppress(Exception):
             self.chain.close()
-        self.chain = self._recover(exc)
+        last: Exception = exc
+        for attempt in range(1, MAX_RECOVERIES + 1):
+            try:
+                self.chain = self._recover(last)
+                break
+            except NodeLost as e:  # another node went, or none answers yet: wait, retry
+                last = e
+                log.warning("recovery attempt %d/%d failed: %s", attempt, MAX_RECOVERIES, e)
+                time.sleep(RECOVERY_BACKOFF_S * 2 ** (attempt - 1))
+            except RingError as e:  # the survivors cannot hold the model, a busy node...
+                raise RingError(f"the ring lost a node ({exc}) and cannot be re-formed: "
+                                f"{e}") from e
+        else:
+            raise RingError(f"the ring lost a node and could not be re-formed after "
+                            f"{MAX_RECOVERIES} attempts: {last}") from last
         self.engine.replace_chain(self.chain)
         took = time.perf_counter() - t0
         self.recovery_log.append({"error": str(exc), "seconds": round(took, 3),
                                   "stages": self.chain.n_stages})
         log.warning("ring recovered in %.2f s with %d stage(s)", took, self.chain.n_stages)
+
+    def _resync(self) -> None:
+        """After a stage failed this head's work: forget what is in flight and start the next
+        generation from an empty KV cache on every stage (the ring itself is fine)."""
+        abandon = getattr(self.chain, "abandon", None)
+        if abandon is not None:
+            abandon()
+        self.engine.replace_chain(self.chain)
 
     # ---------------------------------------------------------------- construction
 
@@ -160,13 +200,57 @@ class Ring:
 
     # ---------------------------------------------------------------- generation
 
+    def _check_request(self, prompt_tokens: list[int], max_tokens: int, temperature: float,
+                       top_p: float, top_k: int, seed: int, mode: str) -> tuple[Sampling, int]:
+        """Validate a request before anything reaches the ring (RequestError names the field);
+        returns the sampling settings and max_tokens capped to the context left."""
+        def number(name: str, value: Any, kind: type) -> Any:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise RequestError(f"{name} must be a number, got {value!r}", name)
+            if kind is int and value != int(value):
+                raise RequestError(f"{name} must be an integer, got {value!r}", name)
+            return kind(value)
+
+        temperature = number("temperature", temperature, float)
+        top_p = number("top_p", top_p, float)
+        top_k = number("top_k", top_k, int)
+        seed = number("seed", seed, int)
+        max_tokens = number("max_tokens", max_tokens, int)
+        if not 0.0 <= temperature <= 100.0:
+            raise RequestError(f"temperature must be in [0, 100], got {temperature}",
+                               "temperature")
+        if not 0.0 < top_p <= 1.0:
+            raise RequestError(f"top_p must be in (0, 1], got {top_p}", "top_p")
+        if top_k < 0:
+            raise RequestError(f"top_k must be >= 0 (0 = off), got {top_k}", "top_k")
+        if max_tokens < 1:
+            raise RequestError(f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
+        if not prompt_tokens:
+            raise RequestError("empty prompt: give at least one token", "prompt")
+        try:
+            self.engine.resolve_mode(mode)
+        except ValueError as e:
+            raise RequestError(str(e), "spec") from None
+        room = self.n_ctx - len(prompt_tokens)
+        if room < 1:
+            raise RequestError(f"the prompt has {len(prompt_tokens)} tokens but the ring's "
+                               f"context is {self.n_ctx}: shorten it, or bring the ring up "
+                               f"with a larger --ctx", "prompt")
+        return Sampling(temperature=temperature, top_k=top_k, top_p=top_p,
+                        seed=seed), min(max_tokens, room)
+
     def _stream_tokens(self, prompt_tokens: list[int], *, max_tokens: int, temperature: float,
                        top_p: float, top_k: int, seed: int, stop: Sequence[str],
                        spec: SpecMode | None, cancel: threading.Event | None = None
                        ) -> TextStream:
-        sampling = Sampling(temperature=float(temperature), top_k=int(top_k),
-                            top_p=float(top_p), seed=int(seed))
         mode = spec or self.default_spec
+        asked = max_tokens
+        sampling, max_tokens = self._check_request(prompt_tokens, max_tokens, temperature,
+                                                   top_p, top_k, seed, mode)
+        capped = max_tokens if max_tokens != asked else None
+        if capped is not None:
+            log.info("max_tokens %d capped to %d: the context (%d) has no more room after the "
+                     "prompt (%d tokens)", asked, capped, self.n_ctx, len(prompt_tokens))
         stops = [s for s in stop if s]
         holdback = max((len(s) for s in stops), default=1) - 1
         stream = TextStream(iter(()))
@@ -210,12 +294,17 @@ class Ring:
                                 yield text[emitted:safe]
                                 emitted = safe
                         done = True
-                    except RingError as exc:
+                    except NodeLost as exc:
                         if self._recover is None:
+                            self._resync()
                             raise
                         previous = self.engine.stats.merged(previous)
                         self._recover_from(exc)
                         previous.recoveries += 1
+                    except StageFailure:
+                        # This request ends; the ring stays, resynchronised for the next one.
+                        self._resync()
+                        raise
                     finally:
                         run.close()
                     if len(tokens) >= max_tokens:
@@ -226,7 +315,7 @@ class Ring:
                     yield text[emitted:]
                 stats = self.engine.stats
                 stats.tokens = len(tokens)
-                stream.result = Generation(text, tokens, stats, finish)
+                stream.result = Generation(text, tokens, stats, finish, capped)
                 self.last = stream.result
 
         stream._pieces = pieces()

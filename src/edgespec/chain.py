@@ -13,6 +13,11 @@ the same contract, which is what lets the speculative engine stay ignorant of so
 - ``prune(nodes, ops)``: FlowSpec pruning. It may overtake batches in flight: every stage drops
   rows of pruned tree nodes from batches it has not computed yet, then applies ``ops``.
 - ``kv(ops)``: KV operations ordered after everything submitted so far (commit, reset).
+- ``abandon()``: give up on everything in flight (after a failure); nothing of it is
+  returned by ``next_result`` any more.
+
+A stage that cannot run this head's work makes ``next_result`` raise ``StageFailure``; a lost
+node raises ``NodeLost`` (``edgespec.errors``).
 
 Rows of a batch are tree nodes (``batch.nodes``, unique within one lap); results name the
 nodes they answer for, so a result stays meaningful after rows were pruned on the way.
@@ -28,6 +33,7 @@ from typing import Protocol
 
 import numpy as np
 
+from .errors import StageFailure
 from .wire import KvOp, KvOpCode
 
 
@@ -110,6 +116,7 @@ class Chain(Protocol):
     def has_result(self) -> bool: ...
     def prune(self, nodes: Iterable[int], ops: Sequence[KvOp] = (), lap: int = 0) -> None: ...
     def kv(self, ops: Sequence[KvOp]) -> None: ...
+    def abandon(self) -> None: ...
     def close(self) -> None: ...
 
 
@@ -251,7 +258,11 @@ class LocalChain:
             if isinstance(item, list):
                 self.worker.apply_ops(item)
                 continue
-            batch, targets = self.worker.run(item, None)
+            try:
+                batch, targets = self.worker.run(item, None)
+            except Exception as e:
+                raise StageFailure(f"stage failed: {type(e).__name__}: {e}", "stage_failed",
+                                   item.lap) from e
             wanted = batch.nodes[batch.want] if len(batch) else np.zeros(0, np.int32)
             if targets is None:
                 targets = np.zeros(0, dtype=np.int32)
@@ -260,6 +271,9 @@ class LocalChain:
 
     def has_result(self) -> bool:
         return False  # nothing is computed before it is asked for (see the class docstring)
+
+    def abandon(self) -> None:
+        self._queue.clear()
 
     def close(self) -> None:
         self._queue.clear()

@@ -160,14 +160,26 @@ def _add_node(sub) -> None:
 def _ring_up(args: argparse.Namespace) -> int:
     from .auth import ensure_key
     from .models import resolve
-    from .ring import discover, form_ring, parse_nodes, save_state
+    from .ring import (
+        discover,
+        form_ring,
+        head_identity,
+        load_state,
+        named_nodes,
+        parse_nodes,
+        save_state,
+        state_path,
+        unload_nodes,
+    )
     from .shard import parse_ranges
 
     key = ensure_key(args.key_file)
     model = resolve(args.model)
+    head = head_identity("edgespec ring up")
     if args.nodes == "auto":
         print(f"looking for nodes over mDNS ({args.timeout:.0f} s)...", file=sys.stderr)
-        addrs = discover(args.expect, args.timeout)
+        addrs = discover(args.expect, args.timeout, key, log_fn=print)
+        print(f"found {len(addrs)} node(s): " + ", ".join(f"{h}:{p}" for h, p in addrs))
     else:
         addrs = parse_nodes(args.nodes)
     ranges = parse_ranges(args.ranges) if args.ranges else None
@@ -176,75 +188,120 @@ def _ring_up(args: argparse.Namespace) -> int:
         from pathlib import Path
 
         ranges = [tuple(r) for r in json.loads(Path(args.plan).read_text())["ranges"]]
+    previous: list = []
+    if state_path().exists():
+        from .errors import RingError
+
+        try:
+            previous = named_nodes(load_state())
+        except RingError:
+            previous = []
     chain = form_ring(addrs, model, key, ranges=ranges, rounds=args.rounds, n_ctx=args.ctx,
-                      encoding=args.activations, profile=not args.no_profile, log_fn=print)
-    path = save_state(chain, model, {"encoding": args.activations, "n_ctx": args.ctx,
-                                     "key_file": args.key_file})
-    chain.close()
+                      encoding=args.activations, profile=not args.no_profile, log_fn=print,
+                      head=head, take_over=args.take_over)
+    try:
+        path = save_state(chain, model, {"encoding": args.activations, "n_ctx": args.ctx,
+                                         "key_file": args.key_file})
+    finally:
+        chain.close()
+    # Nodes of the previous ring that are not in this one give their memory back.
+    dropped = [(n, a) for n, a in previous if a not in addrs]
+    if dropped:
+        print(f"unloading {len(dropped)} node(s) of the previous ring that are not in this one")
+        unload_nodes(dropped, key, head=head, take_over=args.take_over, say=print,
+                     warn=lambda s: print(s, file=sys.stderr))
     print(f"ring is up: {len(chain.plan.windows)} stages on {len(addrs)} node(s); "
           f"state saved to {path}")
     return 0
 
 
+def _fmt_gb(v) -> str:
+    return f"{int(v) / 2**30:.1f}GB" if v else "-"
+
+
 def _ring_status(args: argparse.Namespace) -> int:
     from .auth import load_key
-    from .ring import RingError, _connect_members, load_state
+    from .nodeinfo import describe_holder
+    from .ring import load_state, ring_report
 
     state = load_state()
     key = load_key(args.key_file or state.get("key_file"))
-    print(f"model: {state['model']}")
-    print(f"{'node':<16} {'address':<22} {'layers':<12} {'free RAM':>9} {'RTT ms':>7}  state")
+    rows = ring_report(state, key)
     wins = state["plan"]["windows"]
-    for i, n in enumerate(state["nodes"]):
-        layers = ",".join(f"{a}:{b}" for _s, node, a, b in wins if node == i)
-        addr = f"{n['host']}:{n['port']}"
-        try:
-            m = _connect_members([(n["host"], int(n["port"]))], key, "status", None)[0]
-            h = m.request("health", timeout=5).meta
-            loaded = "loaded" if h.get("stages") else "idle (no windows)"
-            print(f"{n['name'][:16]:<16} {addr:<22} {layers:<12} "
-                  f"{int(h.get('free_ram', 0)) / 2**30:>7.1f}GB {m.last_rtt_ms:>7.2f}  {loaded}")
-            m.close()
-        except (RingError, OSError, Exception) as e:  # a dead node is a status, not a crash
-            print(f"{n['name'][:16]:<16} {addr:<22} {layers:<12} {'-':>9} {'-':>7}  "
-                  f"unreachable ({type(e).__name__}: {e})")
+    nodes_in = sum(1 for r in rows if not r["left"])
+    holders = {r["holder"]["id"]: r["holder"] for r in rows if r.get("holder")}
+    print(f"model: {state['model']}")
+    print(f"plan in force: {len(wins)} stage(s) on {nodes_in} node(s)"
+          + (f"; held by {', '.join(describe_holder(h) for h in holders.values())}"
+             if holders else "; no head attached"))
+    print(f"{'node':<16} {'address':<22} {'layers':<12} {'free RAM':>9} {'RTT ms':>7}  state")
+    bad = 0
+    for r in rows:
+        layers = ",".join(f"{a}:{b}" for _s, (a, b) in sorted(r["plan"].items())) or "-"
+        rtt = f"{r['rtt_ms']:.2f}" if r["rtt_ms"] is not None else "-"
+        state_txt = r["state"]
+        if r["state"] == "other windows":
+            state_txt += " (" + ",".join(f"{a}:{b}" for a, b in r["held"].values()) + ")"
+        elif r["state"] == "unreachable":
+            state_txt += f" ({r.get('error')})"
+        elif r["state"] == "returned":
+            state_txt += " (answers again: `edgespec ring rebalance` takes it back)"
+        elif r["state"] == "left":
+            state_txt += f" ({r.get('reason') or 'not in the ring'})"
+        if not r["left"] and r["state"] != "loaded":
+            bad += 1
+        print(f"{r['name'][:16]:<16} {r['address']:<22} {layers:<12} {_fmt_gb(r['free_ram']):>9}"
+              f" {rtt:>7}  {state_txt}")
+    if bad:
+        print(f"{bad} node(s) of the plan are not serving it: run `edgespec ring rebalance`")
     return 0
 
 
 def _ring_down(args: argparse.Namespace) -> int:
     from .auth import load_key
-    from .ring import _connect_members, load_state, state_path
+    from .ring import head_identity, load_state, named_nodes, state_path, unload_nodes
 
     state = load_state()
     key = load_key(args.key_file or state.get("key_file"))
-    for n in state["nodes"]:
-        try:
-            m = _connect_members([(n["host"], int(n["port"]))], key, "down", None)[0]
-            m.request("unload", timeout=30)
-            m.close()
-            print(f"{n['name']}: windows unloaded")
-        except Exception as e:
-            print(f"{n['name']}: unreachable ({e})", file=sys.stderr)
+    nodes = named_nodes(state)
+    done = unload_nodes(nodes, key, head=head_identity("edgespec ring down"),
+                        take_over=args.take_over, say=print,
+                        warn=lambda s: print(s, file=sys.stderr))
     state_path().unlink(missing_ok=True)
+    missed = len(nodes) - len(done)
+    print("ring is down" + (f"; {missed} node(s) not reached (they hold nothing of it once "
+                            f"restarted)" if missed else ""))
     return 0
 
 
 def _ring_rebalance(args: argparse.Namespace) -> int:
     from .auth import load_key
-    from .ring import load_state, parse_nodes, reform_ring, save_state
+    from .ring import (
+        head_identity,
+        load_state,
+        node_addresses,
+        parse_nodes,
+        reform_ring,
+        save_state,
+    )
 
     state = load_state()
     key = load_key(args.key_file or state.get("key_file"))
-    addrs = [(n["host"], int(n["port"])) for n in state["nodes"]]
+    addrs = node_addresses(state)
     if args.nodes:
         addrs += [a for a in parse_nodes(args.nodes) if a not in addrs]
     chain = reform_ring(addrs, state["model"], key, n_ctx=int(state.get("n_ctx", 4096)),
                         encoding=state.get("encoding", "f32"), profile=not args.no_profile,
-                        log_fn=print)
-    path = save_state(chain, state["model"], {k: state[k] for k in ("encoding", "n_ctx",
-                                                                     "key_file") if k in state})
-    chain.close()
-    print(f"ring rebalanced over {len(chain.members)} node(s); state saved to {path}")
+                        log_fn=print, head=head_identity("edgespec ring rebalance"),
+                        take_over=args.take_over)
+    try:
+        path = save_state(chain, state["model"],
+                          {k: state[k] for k in ("encoding", "n_ctx", "key_file") if k in state},
+                          known=addrs, reason="did not answer at rebalance")
+    finally:
+        chain.close()
+    print(f"ring rebalanced: {len(chain.plan.windows)} stage(s) over {len(chain.members)} "
+          f"node(s); state saved to {path}")
     return 0
 
 
@@ -274,16 +331,22 @@ def _add_ring(sub) -> None:
                          "change greedy output on near ties")
     up.add_argument("--no-profile", action="store_true", help="skip profiling (even split)")
     up.add_argument("--key-file", default=None, help="ring key (created if missing)")
-    st = _add(rsub, "status", "show the ring's nodes, layers, memory and RTT",
-              func=_ring_status)
+    up.add_argument("--take-over", action="store_true",
+                    help="take nodes held by another head (that head's requests then fail)")
+    st = _add(rsub, "status", "show the ring as it is: each node's windows, links, memory, "
+              "RTT and the head holding it", func=_ring_status)
     st.add_argument("--key-file", default=None, help="ring key")
     dn = _add(rsub, "down", "unload every node's windows and forget the ring", func=_ring_down)
     dn.add_argument("--key-file", default=None, help="ring key")
+    dn.add_argument("--take-over", action="store_true",
+                    help="unload nodes even while another head (chat, serve) holds them")
     rb = _add(rsub, "rebalance", "re-plan the ring over every reachable node (takes back a "
               "node that returned after a loss)", func=_ring_rebalance)
     rb.add_argument("--nodes", default=None, help="extra host:port,... to take in")
     rb.add_argument("--no-profile", action="store_true", help="skip profiling (even split)")
     rb.add_argument("--key-file", default=None, help="ring key")
+    rb.add_argument("--take-over", action="store_true",
+                    help="re-form even while another head (chat, serve) holds the nodes")
 
 
 # ------------------------------------------------------------------------------- run a ring
@@ -302,6 +365,9 @@ def _add_ring_choice(p: argparse.ArgumentParser) -> None:
                    help="draft with a cached Q4_0 copy of the draft model (default; made once, "
                         "faster on CPUs, never changes the output) or with the file as given")
     p.add_argument("--ctx", type=int, default=4096, help="context size")
+    p.add_argument("--take-over", action="store_true",
+                   help="attach even while another head holds the ring (its requests then "
+                        "fail); without it a held ring is refused with the holder named")
 
 
 def _open_ring(args: argparse.Namespace):
@@ -309,7 +375,8 @@ def _open_ring(args: argparse.Namespace):
     from .ring import state_path
 
     if args.local is None and state_path().exists():
-        return Ring.attach(spec=args.spec, draft=args.draft, draft_quant=args.draft_quant)
+        return Ring.attach(spec=args.spec, draft=args.draft, draft_quant=args.draft_quant,
+                           take_over=args.take_over)
     n = args.local or 2
     print(f"starting a local ring of {n} node processes for {args.model}...", file=sys.stderr)
     return Ring.local(args.model, stages=n, draft=args.draft, spec=args.spec, n_ctx=args.ctx,

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from . import models
+from .node import PARENT_ENV
 
 _LISTEN = re.compile(r"edgespec node \S+ \((\S+)\) on ([\d.]+):(\d+)")
 
@@ -27,8 +28,12 @@ class LocalNodes:
         self.procs: list[subprocess.Popen] = []
         self.addresses: list[tuple[str, int]] = []
         env = dict(os.environ)
-        # Several contexts share the cores: passive OpenMP waiting (DESIGN 3.7).
+        # Several contexts share the cores: passive OpenMP waiting (busy-waiting threads of
+        # several processes starve each other).
         env.setdefault("OMP_WAIT_POLICY", "passive")
+        # The node asks the kernel for SIGTERM when this process dies (see
+        # edgespec.node.die_with_parent), so a killed head leaves no node behind.
+        env[PARENT_ENV] = str(os.getpid())
         try:
             for i in range(n):
                 cmd = [sys.executable, "-m", "edgespec"] + (["-v"] if verbose else []) + [
@@ -72,16 +77,6 @@ class LocalNodes:
             except subprocess.TimeoutExpired:
                 p.kill()
         self.procs = []
-
-
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM when the parent dies, so a crashed head leaves no node
-    processes behind (Linux prctl PR_SET_PDEATHSIG; elsewhere a no-op)."""
-    with contextlib.suppress(Exception):
-        import ctypes
-        import signal
-
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
 
 
 def _drain(p: subprocess.Popen) -> None:
@@ -134,22 +129,26 @@ def open_local_ring(cls, model: str | os.PathLike[str], stages: int, *, draft=No
     try:
         if processes:
             from .auth import write_key
-            from .ring import form_ring, reform_ring
+            from .ring import form_ring, head_identity, reform_ring
 
             tmp = tempfile.TemporaryDirectory(prefix="edgespec-local-")
             cleanup.append(tmp.cleanup)
             key_file = write_key(Path(tmp.name) / "ring.key")
             from .auth import load_key
 
+            key = load_key(key_file)
             nodes = LocalNodes(stages // rounds if rounds > 1 else stages, key_file,
                                threads=threads, verbose=verbose)
             cleanup.insert(0, nodes.close)
+            # Every node has read the key by the time it listens: remove it from disk now, so
+            # a head that is killed leaves no key folder behind.
+            tmp.cleanup()
             rngs = ranges or even_ranges(info.n_layer, stages)
-            key = load_key(key_file)
             quiet = print if verbose else (lambda s: None)
+            head = head_identity()
             chain = form_ring(nodes.addresses, model_path, key, ranges=rngs,
                               rounds=rounds, n_ctx=n_ctx, encoding=encoding, profile=False,
-                              proxy=proxy, log_fn=quiet)
+                              proxy=proxy, log_fn=quiet, head=head)
             cleanup.insert(0, chain.close)
 
             def recover(_exc: Exception):
@@ -157,7 +156,7 @@ def open_local_ring(cls, model: str | os.PathLike[str], stages: int, *, draft=No
                 live = [a for p, a in zip(nodes.procs, nodes.addresses, strict=True)
                         if p.poll() is None]
                 return reform_ring(live, model_path, key, n_ctx=n_ctx, encoding=encoding,
-                                   profile=False, proxy=proxy, log_fn=quiet)
+                                   profile=False, proxy=proxy, log_fn=quiet, head=head)
         else:
             from .chain import LocalChain
             from .shard import cut_window, fingerprint

@@ -3,8 +3,15 @@ and moves batches along the ring.
 
 Frames a node handles (all over authenticated connections, see ``edgespec.transport``):
 
-- CONTROL ``{"op": ...}``: ``health``, ``profile``, ``load``, ``connect``, ``reset``,
-  ``shard_begin``/``shard_chunk`` (shard upload), ``echo`` (bandwidth probe), ``shutdown``.
+- CONTROL ``{"op": ...}``: ``ping`` (heartbeat: answered at once, no probes), ``health``,
+  ``profile``, ``load``, ``connect``, ``reset``, ``unload``, ``shard_*`` (shard upload),
+  ``echo`` (bandwidth probe), ``shutdown``.
+
+One head at a time: the ops that change what the node holds or where it sends (``load``,
+``connect``, ``reset``, ``unload``, ``shutdown``) are taken only from the head that holds the
+node, named by the ``head`` identity it sends ({"id", "pid", "host", "what", "since"}). Another
+head is refused with ``busy`` naming the holder, unless it asks to ``take_over`` (then the old
+holder's connection is told and closed). The hold ends when the holder's connection closes.
 - TOKENS / HIDDEN: a batch for one of this node's stages (``META.stage``). It joins that
   stage's queue; the stage's worker thread applies the batch's KV operations, drops rows of
   pruned tree nodes, runs the window, and sends the hidden states to the next stage (directly,
@@ -14,12 +21,15 @@ Frames a node handles (all over authenticated connections, see ``edgespec.transp
   still queued or in flight are dropped before they cost compute.
 
 A failure inside a stage is reported to the head as an ERROR frame; the node keeps serving.
+A link to the next node that breaks is dropped (reported to the head as ``next_lost``, which it
+treats as a lost node) and dialled afresh whenever the ring is linked again.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import logging
 import os
 import queue
@@ -36,6 +46,7 @@ import numpy as np
 from . import __version__, transfer
 from .chain import StageWorker
 from .frames import batch_message, message_batch, result_message
+from .nodeinfo import describe_holder
 from .transport import Connection, Frame, FrameServer, TransportError, connect
 from .wire import PROTOCOL_VERSION, FieldTag, Kind, Message, WireError, error_message, kv_ops_list
 
@@ -43,6 +54,13 @@ log = logging.getLogger("edgespec.node")
 
 #: Largest batch the profile op times (a tree lap's batch is at most the tree budget).
 PROFILE_MAX_BATCH = 256
+
+#: Control ops that only the head holding this node may send (see the module docstring).
+HOLDER_OPS = frozenset({"load", "connect", "reset", "unload", "shutdown"})
+
+#: Seconds to dial the next node when linking (a node that does not answer fails the link).
+LINK_TIMEOUT_S = 10.0
+
 
 
 @dataclass
@@ -68,6 +86,23 @@ class StageSlot:
         self.worker = StageWorker([self.runtime], is_last=self.is_last)
 
 
+class _Busy(Exception):
+    """Another head holds this node."""
+
+
+class _LinkLost(Exception):
+    """The link to the next node is gone (the head re-plans the ring)."""
+
+
+def _rss_bytes() -> int:
+    """This process's resident memory (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 class Node:
     """A ring member: a FrameServer plus the stages it hosts."""
 
@@ -82,15 +117,29 @@ class Node:
         self.cache_dir = Path(cache_dir) if cache_dir else models.home()
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         self.name = name or socket.gethostname()
-        self.node_id = node_id or load_or_create_node_id(self.cache_dir)
         self.n_gpu_layers = n_gpu_layers
         self.n_threads = n_threads
         self.slots: dict[int, StageSlot] = {}
         self._out_conns: dict[tuple[str, int], Connection] = {}
         self._lock = threading.RLock()
         self._stop = threading.Event()
-        self.server = FrameServer(key, node_id=self.node_id, host=host, port=port,
-                                  on_disconnect=self._on_disconnect)
+        # The head holding this node (see HOLDER_OPS) and its connection.
+        self.holder: dict | None = None
+        self._holder_conn: Connection | None = None
+        if node_id is None:
+            # One id per node process, stable across restarts on the same port: several
+            # nodes on one host (one cache folder) must not share an id, or logs and the ring
+            # table could not tell them apart. A port of 0 is resolved by binding first.
+            base = load_or_create_node_id(self.cache_dir)
+            probe = FrameServer(key, node_id=base, host=host, port=port,
+                                on_disconnect=self._on_disconnect)
+            node_id = hashlib.sha256(f"{base}:{probe.address[1]}".encode()).hexdigest()[:16]
+            probe.node_id = node_id
+            self.server = probe
+        else:
+            self.server = FrameServer(key, node_id=node_id, host=host, port=port,
+                                      on_disconnect=self._on_disconnect)
+        self.node_id = node_id
         self.shards = transfer.ShardStore(self.cache_dir / "received")
         self.server.register(Kind.CONTROL, self._on_control)
         self.server.register(Kind.TOKENS, self._on_batch)
@@ -107,7 +156,6 @@ class Node:
 
     def start(self) -> Node:
         self.server.start()
-        log.info("node %s (%s) listening on %s:%d", self.name, self.node_id, *self.address)
         return self
 
     def wait(self) -> None:
@@ -133,6 +181,36 @@ class Node:
             for slot in self.slots.values():
                 if slot.head_conn is conn:
                     slot.head_conn = None
+            if conn is self._holder_conn:
+                log.info("%s: released by %s", self.name, describe_holder(self.holder or {}))
+                self.holder, self._holder_conn = None, None
+
+    def _check_holder(self, conn: Connection, meta: dict) -> None:
+        """Take the node for the head behind ``conn``, or refuse it (RingBusy semantics:
+        the ERROR code is ``busy`` and names the holder)."""
+        head = meta.get("head")
+        if not isinstance(head, dict) or not isinstance(head.get("id"), str):
+            head = {"id": f"conn-{id(conn)}", "what": f"peer {conn.peer_node}", "pid": "?",
+                    "host": conn.peer_address[0], "since": time.time()}
+        with self._lock:
+            cur, cur_conn = self.holder, self._holder_conn
+            if (cur is not None and cur_conn is not None and not cur_conn.closed
+                    and cur_conn is not conn and cur.get("id") != head["id"]):
+                if not meta.get("take_over"):
+                    raise _Busy(f"{self.name} is held by {describe_holder(cur)}; stop it, go "
+                                f"through it (`edgespec chat --server URL` for a running serve), "
+                                f"or pass --take-over to take the ring on purpose")
+                log.warning("%s: %s takes over from %s", self.name, describe_holder(head),
+                            describe_holder(cur))
+                with contextlib.suppress(Exception):
+                    cur_conn.send(error_message("taken_over", f"{self.name} was taken over by "
+                                                              f"{describe_holder(head)}"))
+                threading.Thread(target=cur_conn.close, args=("taken over",),
+                                 daemon=True).start()
+            elif cur is None or cur.get("id") != head["id"]:
+                log.info("%s: held by %s", self.name, describe_holder(head))
+            self.holder = {k: head.get(k) for k in ("id", "pid", "host", "what", "since")}
+            self._holder_conn = conn
 
     # ------------------------------------------------------------------ data path
 
@@ -228,6 +306,11 @@ class Node:
                     self._send_on(slot, "empty", batch)
                 else:
                     self._send_on(slot, "batch", (batch, out))
+            except _LinkLost as e:  # the head treats it as a lost node (re-plans)
+                log.warning("%s", e)
+                msg = error_message("next_lost", str(e))
+                msg.lap_id = a.lap if kind == "batch" else int(b or 0)
+                self._to_head(slot, msg)
             except Exception as e:  # reported to the head; the stage keeps serving
                 log.exception("stage %d failed", slot.stage)
                 lap = a.lap if kind == "batch" else int(b or 0)
@@ -247,6 +330,7 @@ class Node:
             except Exception as e:  # link closed (or broken): the next send reports it
                 if not out.closed and not self._stop.is_set():
                     log.warning("link to next node %s closed: %s", out.peer_node, e)
+                self._drop_link(out)
                 return
             if msg.kind != Kind.ERROR:
                 continue
@@ -290,19 +374,39 @@ class Node:
                 slot.next_local.inbox.put(("kv", *payload))
             else:
                 batch, hidden = payload
-                slot.next_local.inbox.put(("batch", batch, np.ascontiguousarray(hidden)))
+                # A copy, not a view: the hidden states live in this window's capture buffer,
+                # which its next decode overwrites while the next window may still be queued.
+                slot.next_local.inbox.put(("batch", batch, np.array(hidden, copy=True)))
             return
         conn = slot.next_conn
-        if conn is None:
-            raise RuntimeError(f"stage {slot.stage} has no next stage connected")
-        if kind == "kv":
-            ops, lap = payload
-            conn.send(Message(Kind.KV_OPS, {FieldTag.KV_OPS: list(ops),
-                                             FieldTag.META: {"stage": slot.next_stage}},
-                              lap_id=int(lap or 0)))
-        else:
-            batch, hidden = payload
-            conn.send(batch_message(batch, hidden, slot.encoding, stage=slot.next_stage))
+        if conn is None or conn.closed:
+            raise _LinkLost(f"stage {slot.stage} on {self.name} has no live link to the next "
+                            f"stage ({slot.next_stage}); the ring must be linked again")
+        try:
+            if kind == "kv":
+                ops, lap = payload
+                conn.send(Message(Kind.KV_OPS, {FieldTag.KV_OPS: list(ops),
+                                                 FieldTag.META: {"stage": slot.next_stage}},
+                                  lap_id=int(lap or 0)))
+            else:
+                batch, hidden = payload
+                conn.send(batch_message(batch, hidden, slot.encoding, stage=slot.next_stage))
+        except TransportError as e:
+            self._drop_link(conn)
+            raise _LinkLost(f"stage {slot.stage} on {self.name}: link to the next node "
+                            f"{conn.peer_node} broke: {e}") from e
+
+    def _drop_link(self, conn: Connection) -> None:
+        """Forget a broken link to a next node; the next ``connect`` dials it afresh."""
+        with self._lock:
+            for addr, c in list(self._out_conns.items()):
+                if c is conn:
+                    del self._out_conns[addr]
+            for slot in self.slots.values():
+                if slot.next_conn is conn:
+                    slot.next_conn = None
+        with contextlib.suppress(Exception):
+            conn.close()
 
     # ------------------------------------------------------------------ control
 
@@ -312,6 +416,19 @@ class Node:
         handler = getattr(self, f"_op_{op}", None)
         if handler is None:
             return error_message("unknown_op", f"unknown control op {op!r}")
+        if op == "connect":
+            # The caller's mistake is told first, whoever holds the node.
+            links = msg.meta.get("links")
+            if not isinstance(links, dict):
+                raise WireError("connect: 'links' must be an object {stage: link}")
+            for stage_s in links:
+                self._slot(int(stage_s))
+        if op in HOLDER_OPS:
+            try:
+                self._check_holder(conn, msg.meta)
+            except _Busy as e:
+                log.warning("%s: refused %s from %s: %s", self.name, op, conn.peer_node, e)
+                return error_message("busy", str(e))
         body = handler(conn, msg.meta, msg.fields.get(FieldTag.BLOB)) or {}
         blob = body.pop("_blob", None)
         fields: dict[FieldTag, Any] = {FieldTag.META: {"ok": True, **body}}
@@ -319,17 +436,36 @@ class Node:
             fields[FieldTag.BLOB] = blob
         return Message(Kind.REPLY, fields)
 
+    def _op_ping(self, conn: Connection, meta: dict, blob: Any) -> dict:
+        """The heartbeat: answered at once, never waiting on a probe (nvidia-smi, /proc)."""
+        return {}
+
     def _op_health(self, conn: Connection, meta: dict, blob: Any) -> dict:
         from .nodeinfo import detect_backend, free_ram_bytes, free_vram_bytes
 
+        with self._lock:
+            slots = list(self.slots.values())
+            holder = dict(self.holder) if self.holder else None
+        stages = {}
+        for s in slots:
+            if s.is_last:
+                link = "head" if s.head_conn is not None and not s.head_conn.closed else "none"
+            elif s.next_local is not None:
+                link = f"local:{s.next_stage}"
+            elif s.next_conn is not None and not s.next_conn.closed:
+                host, port = s.next_conn.peer_address
+                link = f"{host}:{port}"
+            else:
+                link = "none"
+            stages[str(s.stage)] = {"range": list(s.layer_range), "batches": s.batches,
+                                    "busy_s": round(s.busy_s, 3), "queued": s.inbox.qsize(),
+                                    "next": link, "next_stage": s.next_stage,
+                                    "is_last": s.is_last}
         return {
             "node_id": self.node_id, "name": self.name, "version": __version__,
             "proto": PROTOCOL_VERSION, "backend": detect_backend(),
             "free_ram": free_ram_bytes(), "free_vram": free_vram_bytes(),
-            "stages": {str(s.stage): {"range": list(s.layer_range), "batches": s.batches,
-                                      "busy_s": round(s.busy_s, 3), "queued": s.inbox.qsize()}
-                       for s in self.slots.values()},
-            "time": time.time(),
+            "rss": _rss_bytes(), "holder": holder, "stages": stages, "time": time.time(),
         }
 
     def _op_echo(self, conn: Connection, meta: dict, blob: Any) -> dict:
@@ -400,12 +536,15 @@ class Node:
             with self._lock:
                 self.slots[slot.stage] = slot
             loaded.append(slot.stage)
-        log.info("node %s loaded stages %s", self.name, loaded)
+        log.info("%s: loaded %s", self.name, ", ".join(
+            f"stage {s} (layers {self.slots[s].layer_range[0]}-{self.slots[s].layer_range[1] - 1})"
+            for s in loaded) or "nothing")
         return {"stages": loaded}
 
     def _op_connect(self, conn: Connection, meta: dict, blob: Any) -> dict:
         """Wire each hosted stage to its successor: {"links": {stage: {"host", "port",
         "stage"} | {"local": stage} | "head"}}. Results and errors go to this connection."""
+        fresh: dict[tuple[str, int], Connection] = {}
         for stage_s, link in meta["links"].items():
             slot = self._slot(int(stage_s))
             slot.head_conn = conn
@@ -417,13 +556,27 @@ class Node:
                 slot.next_local = self._slot(int(link["local"]))
                 continue
             addr = (str(link["host"]), int(link["port"]))
-            with self._lock:
-                out = self._out_conns.get(addr)
-                if out is None or out.closed:
-                    out = connect(addr[0], addr[1], self.key, node_id=self.node_id)
+            out = fresh.get(addr)
+            if out is None:
+                # Linking (or re-linking) dials afresh: an old link may lead to a node process
+                # that died and came back on the same address (its state is gone).
+                with self._lock:
+                    old = self._out_conns.pop(addr, None)
+                if old is not None:
+                    old.close("re-linking")
+                try:
+                    out = connect(addr[0], addr[1], self.key, node_id=self.node_id,
+                                  timeout=LINK_TIMEOUT_S)
+                except Exception as e:
+                    raise RuntimeError(f"{self.name} cannot reach the next node at "
+                                       f"{addr[0]}:{addr[1]}: {e}") from e
+                fresh[addr] = out
+                with self._lock:
                     self._out_conns[addr] = out
-                    threading.Thread(target=self._read_next, args=(out,), daemon=True,
-                                     name=f"edgespec-next-{addr[0]}:{addr[1]}").start()
+                threading.Thread(target=self._read_next, args=(out,), daemon=True,
+                                 name=f"edgespec-next-{addr[0]}:{addr[1]}").start()
+                log.info("%s: linked stage %d to %s at %s:%d", self.name, slot.stage,
+                         out.peer_node, *addr)
             slot.next_conn = out
         for slot in self.slots.values():
             slot.head_conn = conn
@@ -441,8 +594,11 @@ class Node:
     _op_shard_finish = _op_shard_status
 
     def _op_unload(self, conn: Connection, meta: dict, blob: Any) -> dict:
+        had = sorted(self.slots)
         self._unload()
-        return {}
+        if had:
+            log.info("%s: unloaded stage(s) %s", self.name, ", ".join(map(str, had)))
+        return {"unloaded": had}
 
     def _op_shutdown(self, conn: Connection, meta: dict, blob: Any) -> dict:
         threading.Timer(0.2, self._stop.set).start()
@@ -496,11 +652,30 @@ def advertised_addresses(bind: str) -> list[str]:
     return addrs
 
 
+#: Set by a head that starts node processes itself (``Ring.local``) to its own pid.
+PARENT_ENV = "EDGESPEC_PARENT_PID"
+
+
+def die_with_parent() -> None:
+    """In a node a head started: ask Linux for SIGTERM when that head dies (prctl
+    PR_SET_PDEATHSIG), and stop at once if it is already gone. Elsewhere a no-op."""
+    want = os.environ.get(PARENT_ENV)
+    if not want:
+        return
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+    if str(os.getppid()) != want:  # the head died before the request took effect
+        raise SystemExit(f"edgespec node: the head that started this node (pid {want}) is gone")
+
+
 def run_node_command(args: argparse.Namespace) -> int:
     from .auth import load_key
     from .discovery import advertise
     from .nodeinfo import describe_this_node
 
+    die_with_parent()
     key = load_key(args.key_file)
     node = Node(key, name=args.name, host=args.bind, port=args.port, cache_dir=args.cache,
                 n_gpu_layers=args.n_gpu_layers, n_threads=args.threads)
