@@ -53,19 +53,21 @@ def _env(home: Path) -> dict[str, str]:
 class NodeProc:
     """One `edgespec node` on 127.0.0.1 (any port, no mDNS), logging to files."""
 
-    def __init__(self, name: str, key_file: Path, workdir: Path) -> None:
+    def __init__(self, name: str, key_file: Path, workdir: Path, port: int = 0) -> None:
         self.name = name
         home = workdir / f"home-{name}"
         home.mkdir(parents=True, exist_ok=True)
         self.out, self.err = workdir / f"{name}.out", workdir / f"{name}.err"
-        with open(self.out, "w") as fo, open(self.err, "w") as fe:
+        # Appended, so a node restarted under the same name keeps its earlier log.
+        seen = self.out.stat().st_size if self.out.exists() else 0
+        with open(self.out, "a") as fo, open(self.err, "a") as fe:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "edgespec", "node", "--port", "0", "--bind", "127.0.0.1",
+                [sys.executable, "-m", "edgespec", "node", "--port", str(port), "--bind", "127.0.0.1",
                  "--no-mdns", "--name", name, "--key-file", str(key_file), "--threads", "1"],
                 stdout=fo, stderr=fe, env=_env(home), cwd=REPO)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            m = _LISTEN.search(self.out.read_text())
+            m = _LISTEN.search(self.out.read_text()[seen:])
             if m:
                 self.node_id, self.address = m.group(1), (m.group(2), int(m.group(3)))
                 return

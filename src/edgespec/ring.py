@@ -528,14 +528,18 @@ def save_state(chain: RemoteChain, model: Path, extra: dict | None = None,
     path.parent.mkdir(parents=True, exist_ok=True)
     members = {m.address for m in chain.members}
     old_left: list[dict] = []
-    with contextlib.suppress(RingError, ValueError, OSError):
-        old_left = list(load_state().get("left", []))
+    names: dict[Address, str] = {}
+    with contextlib.suppress(RingError, ValueError, OSError, KeyError):
+        old = load_state()
+        old_left = list(old.get("left", []))
+        names = {a: n for n, a in named_nodes(old)}
     left = [n for n in old_left if (n["host"], int(n["port"])) not in members]
     for host, port in known:
         if (host, port) not in members and all((n["host"], int(n["port"])) != (host, port)
                                                for n in left):
-            left.append({"name": f"{host}:{port}", "host": host, "port": port,
-                         "since": time.time(), "reason": reason or "not in the ring"})
+            left.append({"name": names.get((host, port), f"{host}:{port}"), "host": host,
+                         "port": port, "since": time.time(),
+                         "reason": reason or "not in the ring"})
     state = {"model": str(model), "created": time.time(),
              "nodes": [{"name": m.name, "host": m.address[0], "port": m.address[1]}
                        for m in chain.members],

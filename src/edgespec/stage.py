@@ -200,6 +200,12 @@ class StageRuntime:
         self._lock = threading.RLock()
         self._model: llamacpp.Model | None = None
         self._ctx: llamacpp.Context | None = None
+        if not 1 <= n_seq_max <= 256 or not n_seq_max <= n_ctx <= 1 << 22:
+            # llama.cpp aborts the whole process (GGML_ASSERT on n_outputs_max) when a
+            # context has fewer KV cells than sequences: refuse it here with a message.
+            raise InputError(f"n_ctx must be in {n_seq_max}..{1 << 22} (at least n_seq_max) "
+                             f"and n_seq_max in 1..256; got n_ctx={n_ctx}, "
+                             f"n_seq_max={n_seq_max}")
         path = self._resolve_source(source, cache_dir)
         info = read_info(path)
         if expect_fingerprint is not None and info.fingerprint != expect_fingerprint:
