@@ -185,5 +185,85 @@ def test_ring_over_mdns_across_namespaces(netns_ok, real_model_path, tmp_path: P
             assert p.wait(timeout=60) == 0, logs[n][1].read_text()
             err = logs[n][1].read_text()
             # Each node cut and loaded its own window, and talked to its neighbour directly.
-            assert "loaded stages" in err, err
+            assert re.search(r"loaded stage \d \(layers \d+-\d+\)", err), err
         assert all(h.address.startswith(SUBNET_PREFIX) for h in lab.hosts)
+
+
+# A stranger on the LAN: advertises itself as an edgespec node, accepts TCP and trickles a
+# byte now and then, never proving the ring key.
+FAKE_SCRIPT = textwrap.dedent(
+    """
+    import socket, sys, threading, time
+    from edgespec.discovery import advertise
+    from edgespec.nodeinfo import describe_this_node
+    addr, port = sys.argv[1], int(sys.argv[2])
+    srv = socket.socket(); srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("0.0.0.0", port)); srv.listen(16)
+    def trickle(c):
+        try:
+            while True:
+                c.sendall(b"E"); time.sleep(2)
+        except OSError:
+            pass
+    def accept():
+        while True:
+            c, _ = srv.accept()
+            threading.Thread(target=trickle, args=(c,), daemon=True).start()
+    threading.Thread(target=accept, daemon=True).start()
+    info = describe_this_node("aaa-fake", port, node_id="f" * 16)
+    with advertise(info, addresses=[addr]):
+        print("advertising", flush=True)
+        time.sleep(600)
+    """
+)
+
+
+def test_ring_up_skips_a_fake_advertiser(netns_ok, tmp_path: Path) -> None:
+    """Two real nodes and a fake one that sorts first: `ring up --expect 2` forms the ring
+    over the real ones, names the fake it skipped, and does not count it."""
+    from tinygguf import make_tiny_gguf
+
+    model = make_tiny_gguf(tmp_path / "tiny.gguf", "qwen2", n_layer=4, n_embd=64, seed=3)
+    key_file = auth.write_key(tmp_path / "ring.key")
+    names = ["head", "n1", "n2", "fake"]
+    homes = {n: tmp_path / f"home-{n}" for n in names}
+    for h in homes.values():
+        h.mkdir()
+    with NetnsLab(len(names), names=names) as lab:
+        hosts = {h.name: h for h in lab.hosts}
+        procs: dict[str, subprocess.Popen] = {}
+        try:
+            for n in ("n1", "n2"):
+                out, err = tmp_path / f"{n}.out", tmp_path / f"{n}.err"
+                with open(out, "w") as fo, open(err, "w") as fe:
+                    procs[n] = hosts[n].popen(
+                        [*_edgespec(), "node", "--key-file", str(key_file), "--name", n,
+                         "--bind", "0.0.0.0", "--port", str(PORT), "--threads", "1"],
+                        env=_env(homes[n]), cwd=REPO, stdout=fo, stderr=fe)
+                _wait_for_line(out, rf"edgespec node {n} ", procs[n], 60)
+            fake_out = tmp_path / "fake.out"
+            with open(fake_out, "w") as fo:
+                procs["fake"] = hosts["fake"].popen(
+                    [sys.executable, "-c", FAKE_SCRIPT, hosts["fake"].address, str(PORT)],
+                    env=_env(homes["fake"]), cwd=REPO, stdout=fo, stderr=subprocess.STDOUT)
+            _wait_for_line(fake_out, "advertising", procs["fake"], 60)
+            res = hosts["head"].run(
+                [*_edgespec(), "ring", "up", "--model", str(model), "--nodes", "auto",
+                 "--expect", "2", "--timeout", "60", "--key-file", str(key_file),
+                 "--no-profile", "--ctx", "256"],
+                env=_env(homes["head"]), cwd=REPO, timeout=300, check=False)
+            out = res.stdout + res.stderr
+            assert res.returncode == 0, out
+            assert "ring is up: 2 stages on 2 node(s)" in out, out
+            assert re.search(rf"skipping aaa-fake\S* at {re.escape(hosts['fake'].address)}:"
+                             rf"{PORT}", out), out
+            state = json.loads((homes["head"] / "ring.json").read_text())
+            assert sorted(m["name"] for m in state["nodes"]) == ["n1", "n2"]
+        finally:
+            for p in procs.values():
+                p.send_signal(signal.SIGTERM)
+            for p in procs.values():
+                try:
+                    p.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
