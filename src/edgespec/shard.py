@@ -40,7 +40,10 @@ import numpy as np
 
 __all__ = [
     "MANIFEST_NAME",
+    "ARCHITECTURES",
     "SUPPORTED_ARCHITECTURES",
+    "REFUSED_ARCHITECTURES",
+    "ArchHandling",
     "CorruptShardError",
     "Manifest",
     "ShardError",
@@ -62,7 +65,6 @@ __all__ = [
     "validate_ranges",
 ]
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "edgespec-shards/1"
 
@@ -168,6 +170,181 @@ class Manifest:
             if s.file == filename:
                 return s
         return None
+
+
+# --------------------------------------------------------------------------------------------
+# Architectures: every place where llama.cpp reads something that depends on a layer's absolute
+# index or on the number of layers in the file. A window renumbers its blocks from 0 and has
+# fewer of them, so each such trap either gets rewritten metadata or is refused.
+
+
+@dataclass(frozen=True)
+class ArchHandling:
+    """How windows of one llama.cpp architecture are cut.
+
+    Attributes:
+        swa_period: llama.cpp's default sliding-window period (a layer ``il`` slides when
+            ``il % period < period - 1``, or the reverse with ``swa_dense_first``); windows get
+            the explicit per-layer ``attention.sliding_window_pattern`` of their absolute layers,
+            because the period restarts at the window's layer 0. None: no sliding window.
+        swa_if_window_key: sliding layers exist only when ``attention.sliding_window`` > 0.
+        dense_lead: ``leading_dense_block_count`` counts the window's own leading dense blocks.
+        head_required: llama.cpp insists on ``output.weight`` in every file (no tied fallback).
+        type_layer_counts: layer counts from which llama.cpp infers a model size that changes a
+            constant (attention scale, low-rank query); a window may neither lose nor gain one.
+        traps: what was checked, for the README table and error messages.
+    """
+
+    name: str
+    traps: tuple[str, ...]
+    swa_period: int | None = None
+    swa_dense_first: bool = False
+    swa_if_window_key: bool = False
+    dense_lead: bool = False
+    head_required: bool = False
+
+
+_COMMON = ("per-layer metadata arrays sliced to the window", "tied or untied head kept on the last window only",
+           "stub vocabulary on middle windows")
+
+ARCHITECTURES: dict[str, ArchHandling] = {a.name: a for a in (
+    ArchHandling("llama", _COMMON + ("global rope_freqs.weight kept in every window",
+                                     "Mixtral-style routed experts (ffn_*_exps) stay in their block")),
+    ArchHandling("qwen2", _COMMON + ("q/k/v biases",)),
+    ArchHandling("qwen3", _COMMON + ("per-head q/k norms",)),
+    ArchHandling("qwen3moe", _COMMON + ("per-head q/k norms", "routed experts stay in their block")),
+    ArchHandling("gemma3", _COMMON + (
+        "sliding window on 5 of every 6 absolute layers, with its own RoPE base: explicit pattern",
+        "token embeddings scaled by sqrt(n_embd) for token input only (first window)",
+        "27B attention scale chosen from n_layer == 62: such models are refused"),
+        swa_period=6, swa_if_window_key=True),
+    ArchHandling("phi3", _COMMON + ("fused qkv and gate/up", "global rope_factors_long/short kept",
+                                    "llama.cpp ignores phi3's sliding window: nothing to rewrite")),
+    ArchHandling("deepseek2", _COMMON + (
+        "multi-head latent attention (per-block tensors only)",
+        "leading_dense_block_count rewritten per window",
+        "routed + shared experts stay in their block",
+        "'lite' (no q_lora_rank) inferred from n_layer 26/27: q_lora_rank pinned, windows of those "
+        "sizes refused for full models",
+        "expert gating default inferred from n_layer: pinned in every window"), dense_lead=True),
+    ArchHandling("gpt-oss", _COMMON + (
+        "sliding window on every other absolute layer: explicit per-layer pattern",
+        "attention sinks and expert biases (per-block)",
+        "output.weight required in every file: middle windows get a 1-row stub, the first keeps it"),
+        swa_period=2, head_required=True),
+)}
+
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
+
+# Architectures llama.cpp loads but whose windows cannot be made exact, and why.
+REFUSED_ARCHITECTURES = {
+    "gemma2": "llama.cpp scales the input of every gemma2 file by sqrt(n_embd), hidden states "
+              "included, so a window after the first cannot be fed the previous window's states "
+              "exactly",
+}
+
+
+def _arch_handling(arch: str) -> ArchHandling:
+    handling = ARCHITECTURES.get(arch)
+    if arch in REFUSED_ARCHITECTURES:
+        raise UnsupportedArchitectureError(
+            f"architecture {arch!r} cannot be split into layer windows: {REFUSED_ARCHITECTURES[arch]}; "
+            "run it unsplit on one machine")
+    if handling is None:
+        raise UnsupportedArchitectureError(
+            f"architecture {arch!r} cannot be split into layer windows yet: edgespec has not checked "
+            f"how llama.cpp indexes its layers (supported: {', '.join(SUPPORTED_ARCHITECTURES)}); "
+            "run it unsplit on one machine, or ask for support with the model's name")
+    return handling
+
+
+def _swa_layers(h: _Header, arch: str, handling: ArchHandling) -> list[bool] | None:
+    """Which absolute layers of the full model slide (None: the model has no sliding window)."""
+    n_total = h.get(f"{arch}.block_count")
+    kv = h.kv.get(f"{arch}.attention.sliding_window_pattern")
+    if kv is not None and kv.vtype == gguf.GGUFValueType.ARRAY:
+        return None  # an explicit per-layer array: sliced like every per-layer array
+    if handling.swa_period is None:
+        return None
+    if handling.swa_if_window_key and not (h.get(f"{arch}.attention.sliding_window") or 0) > 0:
+        return None
+    period = handling.swa_period
+    if kv is not None and isinstance(kv.value, int):
+        period = kv.value
+    if period == 0:
+        return [True] * n_total
+    if handling.swa_dense_first:
+        return [il % period != 0 for il in range(n_total)]
+    return [il % period < period - 1 for il in range(n_total)]
+
+
+# (architecture, n_layer) pairs llama.cpp maps to a model size that changes a constant.
+_SIZE_TRAPS = {"gemma2": (46,), "gemma3": (62,)}
+_DEEPSEEK2_LITE_LAYERS = (26, 27)
+
+
+def _deepseek2_is_lite(n_layer: int, n_vocab: int) -> bool:
+    return n_layer in _DEEPSEEK2_LITE_LAYERS or (n_layer == 48 and n_vocab == 128256)
+
+
+def _check_windows(h: _Header, arch: str, ranges: Sequence[tuple[int, int]], n_layer: int,
+                   n_vocab: int) -> None:
+    """Refuse windows whose layer count would make llama.cpp pick other constants."""
+    if arch in _SIZE_TRAPS:
+        n_embd = h.get(f"{arch}.embedding_length")
+        n_head = h.get(f"{arch}.attention.head_count")
+        n_head = n_head[0] if isinstance(n_head, list) and n_head else n_head
+        if not isinstance(n_embd, int) or not isinstance(n_head, int) or n_head <= 0:
+            raise CorruptShardError(f"{h.path} lacks {arch}.embedding_length / attention.head_count")
+        head_dim = h.get(f"{arch}.attention.key_length") or n_embd // n_head
+        scale_differs = n_embd // n_head != int(head_dim)
+        for a, b in ranges:
+            sizes = {n_layer, b - a}
+            if (a, b) != (0, n_layer) and scale_differs and sizes & set(_SIZE_TRAPS[arch]):
+                raise ShardError(
+                    f"{arch}: llama.cpp picks the attention scale of a {n_layer}-layer model from its "
+                    f"layer count, so window {a}:{b} would compute other attention; run this model "
+                    "unsplit")
+    if arch == "deepseek2" and not _deepseek2_is_lite(n_layer, n_vocab):
+        for a, b in ranges:
+            role = _role(a, b, n_layer)
+            if (a, b) != (0, n_layer) and _deepseek2_is_lite(b - a, 1 if role == "middle" else n_vocab):
+                raise ShardError(
+                    f"deepseek2: llama.cpp treats a {b - a}-layer file as a 'lite' model (no query "
+                    f"low-rank projection), so window {a}:{b} would not load; choose other ranges")
+
+
+def _arch_metadata(h: _Header, arch: str, n_layer: int, n_vocab: int, a: int, b: int,
+                   dropped: set[str]) -> list[bytes]:
+    """Rewritten or pinned metadata of window ``[a, b)``; ``dropped`` receives the source keys
+    they replace."""
+    handling = ARCHITECTURES[arch]
+    out: list[bytes] = []
+    swa = _swa_layers(h, arch, handling)
+    if swa is not None:
+        key = f"{arch}.attention.sliding_window_pattern"
+        dropped.add(key)
+        out.append(_kv_bool_array(key, swa[a:b]))
+    if handling.dense_lead:
+        key = f"{arch}.leading_dense_block_count"
+        lead = h.get(key)
+        if isinstance(lead, int):
+            dropped.add(key)
+            out.append(_kv_u32(key, max(0, min(lead, b) - a)))
+    if arch == "deepseek2":
+        if h.get(f"{arch}.attention.q_lora_rank") is None:
+            # Absent means "lite" only while the layer count says so: pin it for every window.
+            out.append(_kv_u32(f"{arch}.attention.q_lora_rank", 0))
+        if h.get(f"{arch}.expert_gating_func") is None:
+            sigmoid = n_layer in (47, 48) and n_vocab == 154880
+            out.append(_kv_u32(f"{arch}.expert_gating_func", 2 if sigmoid else 1))
+    return out
+
+
+def _nextn_layers(h: _Header, arch: str) -> int:
+    """Trailing NextN/MTP blocks (multi-token-prediction heads, not part of the forward pass)."""
+    v = h.get(f"{arch}.nextn_predict_layers")
+    return int(v) if isinstance(v, int) and v > 0 else 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -344,6 +521,8 @@ class _Header:
         n_embd = self.get(f"{arch}.embedding_length")
         if not isinstance(n_layer, int) or not isinstance(n_embd, int):
             raise CorruptShardError(f"{self.path} lacks {arch}.block_count / {arch}.embedding_length")
+        # Trailing NextN/MTP blocks are not part of the forward pass: windows cover the rest.
+        n_layer -= _nextn_layers(self, arch)
         emb = self.tensor("token_embd.weight")
         if emb is None or len(emb.ne) != 2:
             raise CorruptShardError(f"{self.path} has no 2-D token_embd.weight")
@@ -491,6 +670,11 @@ def _kv_str(key: str, value: str) -> bytes:
     return _pack_str(key) + struct.pack("<I", gguf.GGUFValueType.STRING) + _pack_str(value)
 
 
+def _kv_bool_array(key: str, values: Sequence[bool]) -> bytes:
+    return (_pack_str(key) + struct.pack("<IIQ", gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.BOOL,
+                                         len(values)) + struct.pack(f"<{len(values)}?", *values))
+
+
 def _kv_u32_array(key: str, values: Sequence[int]) -> bytes:
     return (_pack_str(key) + struct.pack("<IIQ", gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.UINT32,
                                          len(values)) + struct.pack(f"<{len(values)}I", *values))
@@ -500,24 +684,30 @@ def _window_metadata(h: _Header, arch: str, n_layer: int, n_vocab: int, fp: str,
                      role: str) -> list[bytes]:
     """Encoded metadata entries of the window: the source's, verbatim where unchanged."""
     stub = role == "middle"
+    dropped = {f"{arch}.block_count", f"{arch}.vocab_size", f"{arch}.nextn_predict_layers"}
+    pinned = _arch_metadata(h, arch, n_layer, n_vocab, a, b, dropped)
+    n_source = int(h.get(f"{arch}.block_count"))  # per-layer arrays span NextN blocks too
     out = []
     for key, kv in h.kv.items():
         if key.startswith("edgespec."):
             continue
         if stub and key.startswith("tokenizer."):
             continue
-        if key in (f"{arch}.block_count", f"{arch}.vocab_size"):
+        if key in dropped:
             continue
         raw = kv.raw
         # Per-layer arrays (some llama variants store head counts or ffn sizes per layer) follow
         # the renumbered blocks.
         if (key.startswith(f"{arch}.") and kv.vtype == gguf.GGUFValueType.ARRAY
-                and kv.sub_type in _SCALAR_FMT and kv.length == n_layer and kv.value is not None):
+                and kv.sub_type in _SCALAR_FMT and kv.length == n_source and kv.value is not None):
             fmt = _SCALAR_FMT[kv.sub_type]  # type: ignore[index]
             part = kv.value[a:b]
             raw = struct.pack("<IIQ", kv.vtype, kv.sub_type, len(part)) + struct.pack(f"<{len(part)}{fmt}", *part)
         out.append(_pack_str(key) + raw)
+    out.extend(pinned)
     out.append(_kv_u32(f"{arch}.block_count", b - a))
+    if f"{arch}.nextn_predict_layers" in h.kv:
+        out.append(_kv_u32(f"{arch}.nextn_predict_layers", 0))
     if stub:
         out.append(_kv_str("tokenizer.ggml.model", "none"))
         out.append(_kv_u32(f"{arch}.vocab_size", 1))
@@ -546,6 +736,10 @@ def _plan_tensors(h: _Header, a: int, b: int, role: str) -> list[_Planned]:
     plan: list[_Planned] = []
     stub = role == "middle"
     keeps_head = role in ("last", "full")
+    arch = h.get("general.architecture")
+    handling = ARCHITECTURES.get(arch) if isinstance(arch, str) else None
+    if handling is not None and handling.head_required:
+        keeps_head = role != "middle"  # the first window has the real vocabulary: a real head
     for t in h.tensors:
         m = _BLOCK_RE.match(t.name)
         if m:
@@ -560,6 +754,11 @@ def _plan_tensors(h: _Header, a: int, b: int, role: str) -> list[_Planned]:
                                  None, zeros))
             continue
         if t.name.startswith("output.") and not keeps_head:
+            if stub and handling is not None and handling.head_required and t.name == "output.weight":
+                n_embd = t.ne[0]
+                zeros = np.zeros((1, n_embd), dtype=np.float32).tobytes()
+                plan.append(_Planned(t.name, [n_embd, 1], int(gguf.GGMLQuantizationType.F32), len(zeros),
+                                     None, zeros))
             continue  # no head before the last window (tied to token_embd if llama.cpp asks)
         plan.append(_Planned(t.name, t.ne, t.ggml_type, t.nbytes, t.offset))
     return plan
@@ -626,10 +825,7 @@ def _load_source(model_path: str | os.PathLike[str]) -> tuple[_Header, str, int,
         arch, n_layer, n_embd, n_vocab = h.dims()
         if KEY_FINGERPRINT in h.kv:
             raise ShardError(f"{h.path} is already a shard (edgespec.range present); shard the full model")
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise UnsupportedArchitectureError(
-                f"architecture {arch!r} is not supported yet for layer-window sharding "
-                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        _arch_handling(arch)
     except BaseException:
         h.close()
         raise
@@ -658,6 +854,7 @@ def shard_model(
         rngs = list(ranges) if ranges is not None else even_ranges(n_layer, int(n_stages or 0))
         rngs = [(int(a), int(b)) for a, b in rngs]
         validate_ranges(rngs, n_layer, cover=True)
+        _check_windows(h, arch, rngs, n_layer, n_vocab)
         fp = h.fingerprint()
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -692,6 +889,7 @@ def cut_window(
     with h:
         a, b = int(layer_range[0]), int(layer_range[1])
         validate_ranges([(a, b)], n_layer, cover=False)
+        _check_windows(h, arch, [(a, b)], n_layer, n_vocab)
         fp = h.fingerprint()
         out = Path(out_path) if out_path is not None else h.path.with_name(_shard_name(h.path, a, b))
         if out.exists():
