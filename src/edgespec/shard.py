@@ -252,8 +252,8 @@ def _arch_handling(arch: str) -> ArchHandling:
             "run it unsplit on one machine")
     if handling is None:
         raise UnsupportedArchitectureError(
-            f"architecture {arch!r} cannot be split into layer windows yet: edgespec has not checked "
-            f"how llama.cpp indexes its layers (supported: {', '.join(SUPPORTED_ARCHITECTURES)}); "
+            f"architecture {arch!r} cannot be split into layer windows yet: how llama.cpp indexes its "
+            f"layers has not been checked (supported: {', '.join(SUPPORTED_ARCHITECTURES)}); "
             "run it unsplit on one machine, or ask for support with the model's name")
     return handling
 
