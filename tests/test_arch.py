@@ -47,6 +47,8 @@ CASES = [
     Case("qwen3", "qwen3", 5, [(0, 2), (2, 4), (4, 5)]),
     Case("qwen3moe", "qwen3moe", 5, [(0, 2), (2, 4), (4, 5)]),
     # period 6: layer 5 is the only global layer; it opens the last window (its layer 0).
+    # period 2; every input is scaled by sqrt(n_embd), hidden states included.
+    Case("gemma2", "gemma2", 5, [(0, 1), (1, 3), (3, 5)]),
     Case("gemma3", "gemma3", 8, [(0, 3), (3, 5), (5, 8)]),
     Case("phi3", "phi3", 5, [(0, 2), (2, 4), (4, 5)]),
     # two leading dense blocks: the second window starts inside them.
@@ -171,7 +173,7 @@ def _bare(path: Path, arch: str) -> Path:
     return path
 
 
-@pytest.mark.parametrize("arch, reason", [("rwkv7", "not been checked"), ("gemma2", "sqrt\\(n_embd\\)")])
+@pytest.mark.parametrize("arch, reason", [("bloom", "not been checked"), ("rwkv7", "recurrent state")])
 def test_refused_architecture_gets_one_line(tmp_path: Path, arch: str, reason: str) -> None:
     model = _bare(tmp_path / f"{arch}.gguf", arch)
     with pytest.raises(UnsupportedArchitectureError, match=f"'{arch}'.*{reason}"):

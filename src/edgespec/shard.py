@@ -190,6 +190,9 @@ class ArchHandling:
         swa_if_window_key: sliding layers exist only when ``attention.sliding_window`` > 0.
         dense_lead: ``leading_dense_block_count`` counts the window's own leading dense blocks.
         head_required: llama.cpp insists on ``output.weight`` in every file (no tied fallback).
+        restore_input: the graph tensor that rescales *every* input, hidden states included
+            (gemma2's ``inp_scaled``); a window after the first overwrites it with the states it
+            was given (see :class:`edgespec.stage.StageRuntime`), so they enter unscaled.
         type_layer_counts: layer counts from which llama.cpp infers a model size that changes a
             constant (attention scale, low-rank query); a window may neither lose nor gain one.
         traps: what was checked, for the README table and error messages.
@@ -202,6 +205,7 @@ class ArchHandling:
     swa_if_window_key: bool = False
     dense_lead: bool = False
     head_required: bool = False
+    restore_input: str | None = None
 
 
 _COMMON = ("per-layer metadata arrays sliced to the window", "tied or untied head kept on the last window only",
@@ -213,6 +217,13 @@ ARCHITECTURES: dict[str, ArchHandling] = {a.name: a for a in (
     ArchHandling("qwen2", _COMMON + ("q/k/v biases",)),
     ArchHandling("qwen3", _COMMON + ("per-head q/k norms",)),
     ArchHandling("qwen3moe", _COMMON + ("per-head q/k norms", "routed experts stay in their block")),
+    ArchHandling("gemma2", _COMMON + (
+        "sliding window on every other absolute layer: explicit per-layer pattern",
+        "llama.cpp scales every input by sqrt(n_embd), hidden states too: later windows overwrite "
+        "inp_scaled with the states they were given",
+        "attention soft-capping per layer, final soft-capping on the last window",
+        "27B attention scale chosen from n_layer == 46: such models are refused"), swa_period=2,
+        restore_input="inp_scaled"),
     ArchHandling("gemma3", _COMMON + (
         "sliding window on 5 of every 6 absolute layers, with its own RoPE base: explicit pattern",
         "token embeddings scaled by sqrt(n_embd) for token input only (first window)",
@@ -237,10 +248,13 @@ ARCHITECTURES: dict[str, ArchHandling] = {a.name: a for a in (
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
 # Architectures llama.cpp loads but whose windows cannot be made exact, and why.
-REFUSED_ARCHITECTURES = {
-    "gemma2": "llama.cpp scales the input of every gemma2 file by sqrt(n_embd), hidden states "
-              "included, so a window after the first cannot be fed the previous window's states "
-              "exactly",
+_RECURRENT = ("its recurrent state layers cannot drop a rejected draft by position, which tree "
+              "verification needs")
+REFUSED_ARCHITECTURES: dict[str, str] = {
+    "gemma3n": "every layer also reads per-layer embeddings of the token ids, which a window after "
+               "the first never sees",
+    **{a: _RECURRENT for a in ("mamba", "mamba2", "rwkv6", "rwkv7", "qwen3next", "jamba",
+                               "falcon-h1", "lfm2", "granitehybrid", "nemotron_h")},
 }
 
 
