@@ -108,12 +108,12 @@ def _spm_extra(arch: str) -> tuple[str, ...]:
     return ("<|end|>", "<|endoftext|>") if arch == "phi3" else ()
 
 
-def _gpt2_vocab(n_vocab: int) -> tuple[list[str], list[int], list[str], dict[str, int]]:
+def _gpt2_vocab(n_vocab: int, n_pad: int = 0) -> tuple[list[str], list[int], list[str], dict[str, int]]:
     b2u = _bytes_to_unicode()
     tokens = [b2u[b] for b in range(256)]
     types = [gguf.TokenType.NORMAL] * 256
     merges: list[str] = []
-    n_merges = n_vocab - 256 - len(_GPT2_SPECIALS)
+    n_merges = n_vocab - n_pad - 256 - len(_GPT2_SPECIALS)
     pairs = _unique_pairs()
     if n_merges > len(pairs):
         raise ValueError(f"n_vocab too large for the tiny tokenizer (max {256 + len(pairs) + 3})")
@@ -127,6 +127,9 @@ def _gpt2_vocab(n_vocab: int) -> tuple[list[str], list[int], list[str], dict[str
         ids[s] = len(tokens)
         tokens.append(s)
         types.append(gguf.TokenType.CONTROL)
+    for _ in range(n_pad):  # padding to a round size, as larger checkpoints of a family have
+        tokens.append(f"[PAD{len(tokens)}]")
+        types.append(gguf.TokenType.UNUSED)
     return tokens, [int(t) for t in types], merges, ids
 
 
@@ -171,6 +174,7 @@ def make_tiny_gguf(
     sliding_window: int = 4,
     leading_dense: int = 1,
     q_lora_rank: int = 32,
+    n_pad: int = 0,
 ) -> Path:
     """Write a tiny random-weight model and return its path.
 
@@ -189,6 +193,7 @@ def make_tiny_gguf(
             a test prompt longer than it tells windowed layers from global ones.
         leading_dense: deepseek2's dense blocks before the first MoE block.
         q_lora_rank: deepseek2's query low-rank width; 0 = a "lite" model (plain ``attn_q``).
+        n_pad: byte-level BPE only: the last ``n_pad`` of ``n_vocab`` tokens are unused padding.
     """
     if arch not in TINY_ARCHITECTURES:
         raise ValueError(f"tiny models exist for {', '.join(TINY_ARCHITECTURES)}, not {arch!r}")
@@ -231,7 +236,7 @@ def make_tiny_gguf(
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
 
     if TINY_ARCHITECTURES[arch][0] == "gpt2":
-        tokens, types, merges, ids = _gpt2_vocab(n_vocab)
+        tokens, types, merges, ids = _gpt2_vocab(n_vocab, n_pad)
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre(TINY_ARCHITECTURES[arch][1])
         w.add_token_list(tokens)
