@@ -173,7 +173,8 @@ def _bare(path: Path, arch: str) -> Path:
     return path
 
 
-@pytest.mark.parametrize("arch, reason", [("bloom", "not been checked"), ("rwkv7", "recurrent state")])
+@pytest.mark.parametrize("arch, reason", [("bloom", "not been checked"), ("rwkv7", "recurrent state"),
+                                          ("glm4moe", "aborts the process")])
 def test_refused_architecture_gets_one_line(tmp_path: Path, arch: str, reason: str) -> None:
     model = _bare(tmp_path / f"{arch}.gguf", arch)
     with pytest.raises(UnsupportedArchitectureError, match=f"'{arch}'.*{reason}"):

@@ -139,7 +139,7 @@ def model_memory(path: str | Path) -> ModelMemory:
             m = re.match(r"^blk\.(\d+)\.", t.name)
             if m:
                 i = int(m.group(1))
-                if i < n_layer:  # NextN blocks are not loaded into windows
+                if i < n_layer:
                     weights[i] += t.nbytes
             elif t.name == "token_embd.weight":
                 embd = t.nbytes

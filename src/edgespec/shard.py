@@ -1,4 +1,4 @@
-"""Cut a GGUF model into layer-window shards that llama.cpp loads as small models (DESIGN 3.1).
+"""Cut a GGUF model into layer-window shards that llama.cpp loads as small models.
 
 A window ``[a, b)`` becomes one GGUF file holding blocks ``a..b-1`` renumbered to ``0..b-a-1``,
 ``{arch}.block_count = b - a`` and the global tensors (``output_norm``, llama's ``rope_freqs``...):
@@ -11,7 +11,13 @@ A window ``[a, b)`` becomes one GGUF file holding blocks ``a..b-1`` renumbered t
 
 Every shard records ``edgespec.fingerprint`` (the full model's identity, see :func:`fingerprint`),
 ``edgespec.range``, ``edgespec.n_layer`` and ``edgespec.role``, so a runtime can refuse a shard of
-another model or a neighbour whose range does not join its own. Tensor data is streamed from the
+another model or a neighbour whose range does not join its own.
+
+What llama.cpp derives from a layer's absolute index or from the layer count (sliding-window
+periods, leading dense blocks, size-dependent constants, required heads) is listed per
+architecture in :data:`ARCHITECTURES`; windows get it rewritten, or are refused. Architectures
+outside the table are refused by name (:data:`REFUSED_ARCHITECTURES` says why for those known
+not to work). Tensor data is streamed from the
 source file in fixed-size chunks: memory stays flat whatever the model size.
 
 Command line (also ``edgespec shard``)::
@@ -253,6 +259,8 @@ _RECURRENT = ("its recurrent state layers cannot drop a rejected draft by positi
 REFUSED_ARCHITECTURES: dict[str, str] = {
     "gemma3n": "every layer also reads per-layer embeddings of the token ids, which a window after "
                "the first never sees",
+    "glm4moe": "llama.cpp aborts the process when a glm4moe file without M-RoPE sections is given "
+               "hidden states instead of token ids, and every window after the first is",
     **{a: _RECURRENT for a in ("mamba", "mamba2", "rwkv6", "rwkv7", "qwen3next", "jamba",
                                "falcon-h1", "lfm2", "granitehybrid", "nemotron_h")},
 }
@@ -353,12 +361,6 @@ def _arch_metadata(h: _Header, arch: str, n_layer: int, n_vocab: int, a: int, b:
             sigmoid = n_layer in (47, 48) and n_vocab == 154880
             out.append(_kv_u32(f"{arch}.expert_gating_func", 2 if sigmoid else 1))
     return out
-
-
-def _nextn_layers(h: _Header, arch: str) -> int:
-    """Trailing NextN/MTP blocks (multi-token-prediction heads, not part of the forward pass)."""
-    v = h.get(f"{arch}.nextn_predict_layers")
-    return int(v) if isinstance(v, int) and v > 0 else 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -535,8 +537,6 @@ class _Header:
         n_embd = self.get(f"{arch}.embedding_length")
         if not isinstance(n_layer, int) or not isinstance(n_embd, int):
             raise CorruptShardError(f"{self.path} lacks {arch}.block_count / {arch}.embedding_length")
-        # Trailing NextN/MTP blocks are not part of the forward pass: windows cover the rest.
-        n_layer -= _nextn_layers(self, arch)
         emb = self.tensor("token_embd.weight")
         if emb is None or len(emb.ne) != 2:
             raise CorruptShardError(f"{self.path} has no 2-D token_embd.weight")
@@ -698,9 +698,8 @@ def _window_metadata(h: _Header, arch: str, n_layer: int, n_vocab: int, fp: str,
                      role: str) -> list[bytes]:
     """Encoded metadata entries of the window: the source's, verbatim where unchanged."""
     stub = role == "middle"
-    dropped = {f"{arch}.block_count", f"{arch}.vocab_size", f"{arch}.nextn_predict_layers"}
+    dropped = {f"{arch}.block_count", f"{arch}.vocab_size"}
     pinned = _arch_metadata(h, arch, n_layer, n_vocab, a, b, dropped)
-    n_source = int(h.get(f"{arch}.block_count"))  # per-layer arrays span NextN blocks too
     out = []
     for key, kv in h.kv.items():
         if key.startswith("edgespec."):
@@ -713,15 +712,13 @@ def _window_metadata(h: _Header, arch: str, n_layer: int, n_vocab: int, fp: str,
         # Per-layer arrays (some llama variants store head counts or ffn sizes per layer) follow
         # the renumbered blocks.
         if (key.startswith(f"{arch}.") and kv.vtype == gguf.GGUFValueType.ARRAY
-                and kv.sub_type in _SCALAR_FMT and kv.length == n_source and kv.value is not None):
+                and kv.sub_type in _SCALAR_FMT and kv.length == n_layer and kv.value is not None):
             fmt = _SCALAR_FMT[kv.sub_type]  # type: ignore[index]
             part = kv.value[a:b]
             raw = struct.pack("<IIQ", kv.vtype, kv.sub_type, len(part)) + struct.pack(f"<{len(part)}{fmt}", *part)
         out.append(_pack_str(key) + raw)
     out.extend(pinned)
     out.append(_kv_u32(f"{arch}.block_count", b - a))
-    if f"{arch}.nextn_predict_layers" in h.kv:
-        out.append(_kv_u32(f"{arch}.nextn_predict_layers", 0))
     if stub:
         out.append(_kv_str("tokenizer.ggml.model", "none"))
         out.append(_kv_u32(f"{arch}.vocab_size", 1))
