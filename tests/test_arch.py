@@ -17,7 +17,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from tinygguf import make_tiny_gguf
+from tinygguf import make_tiny_gguf, min_vocab
 
 from edgespec import llamacpp
 from edgespec.shard import (
@@ -56,6 +56,11 @@ CASES = [
     # 27 layers make llama.cpp infer "lite" (no q_lora_rank); 9-layer windows would not.
     Case("deepseek2-lite", "deepseek2", 27, [(0, 9), (9, 18), (18, 27)],
          {"q_lora_rank": 0, "n_embd": 32}),
+    # 48 layers and a 154880-token vocabulary without expert_gating_func: llama.cpp infers sigmoid
+    # gating (GLM-4.7-Lite); 16-layer windows would get softmax.
+    Case("deepseek2-glm-lite", "deepseek2", 48, [(0, 16), (16, 32), (32, 48)],
+         {"n_embd": 32, "n_vocab": 154880, "n_pad": 154880 - min_vocab("deepseek2") - 32,
+          "expert_gating": False}),
     # period 2, windows starting at odd layers.
     Case("gpt-oss", "gpt-oss", 5, [(0, 1), (1, 3), (3, 5)]),
 ]
@@ -146,6 +151,29 @@ def test_deepseek2_window_that_would_turn_lite_is_refused(tmp_path: Path) -> Non
         shard_model(model, tmp_path / "s", ranges=[(0, 3), (3, 30)], progress=False)
     with pytest.raises(ShardError, match="'lite'"):
         cut_window(model, (0, 27), tmp_path / "w.gguf")
+
+
+@pytest.mark.parametrize("arch, n_layer", [("gemma3", 62), ("gemma2", 46)])
+def test_gemma_27b_attention_scale_is_refused(tmp_path: Path, arch: str, n_layer: int) -> None:
+    """llama.cpp picks the 27B attention scale (1/sqrt(n_embd/n_head), not 1/sqrt(head_dim))
+    from the layer count; a window has another count, so the split is refused."""
+    def write(path: Path, key_length: int) -> Path:
+        w = gguf.GGUFWriter(str(path), arch)
+        w.add_block_count(n_layer)
+        w.add_embedding_length(64)
+        w.add_head_count(4)
+        w.add_key_length(key_length)
+        w.add_tensor("token_embd.weight", np.zeros((4, 64), np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return path
+
+    with pytest.raises(ShardError, match="attention scale"):
+        shard_model(write(tmp_path / "27b.gguf", 32), tmp_path / "a", n_stages=2, progress=False)
+    # Where both formulas agree (head_dim == n_embd / n_head) nothing changes: allowed.
+    shard_model(write(tmp_path / "same.gguf", 16), tmp_path / "b", n_stages=2, progress=False)
 
 
 def test_gpt_oss_middle_window_carries_a_stub_head(tmp_path: Path) -> None:

@@ -175,6 +175,7 @@ def make_tiny_gguf(
     leading_dense: int = 1,
     q_lora_rank: int = 32,
     n_pad: int = 0,
+    expert_gating: bool = True,
 ) -> Path:
     """Write a tiny random-weight model and return its path.
 
@@ -194,6 +195,8 @@ def make_tiny_gguf(
         leading_dense: deepseek2's dense blocks before the first MoE block.
         q_lora_rank: deepseek2's query low-rank width; 0 = a "lite" model (plain ``attn_q``).
         n_pad: byte-level BPE only: the last ``n_pad`` of ``n_vocab`` tokens are unused padding.
+        expert_gating: deepseek2: write ``expert_gating_func`` (sigmoid); False leaves llama.cpp
+            to infer it from the layer count and vocabulary, as older GGUFs do.
     """
     if arch not in TINY_ARCHITECTURES:
         raise ValueError(f"tiny models exist for {', '.join(TINY_ARCHITECTURES)}, not {arch!r}")
@@ -269,7 +272,7 @@ def make_tiny_gguf(
         _family_tensors(w, arch, normal, n_layer=n_layer, n_embd=n_embd, n_head=n_head,
                         n_head_kv=n_head_kv, n_ff=n_ff, n_vocab=n_vocab, n_expert=n_expert,
                         sliding_window=sliding_window, leading_dense=leading_dense,
-                        q_lora_rank=q_lora_rank, s_in=s_in, gain=gain)
+                        q_lora_rank=q_lora_rank, expert_gating=expert_gating, s_in=s_in, gain=gain)
 
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -306,7 +309,8 @@ def _classic_tensors(w: gguf.GGUFWriter, arch: str, normal, n_layer: int, n_embd
 
 def _family_tensors(w: gguf.GGUFWriter, arch: str, normal, *, n_layer: int, n_embd: int, n_head: int,
                     n_head_kv: int, n_ff: int, n_vocab: int, n_expert: int, sliding_window: int,
-                    leading_dense: int, q_lora_rank: int, s_in: float, gain: float) -> None:
+                    leading_dense: int, q_lora_rank: int, expert_gating: bool, s_in: float,
+                    gain: float) -> None:
     """Metadata and tensors of the newer families (shapes as llama.cpp creates them; numpy
     shapes are ggml's reversed)."""
     head_dim = n_embd // n_head
@@ -348,7 +352,8 @@ def _family_tensors(w: gguf.GGUFWriter, arch: str, normal, *, n_layer: int, n_em
         w.add_expert_shared_count(1)
         w.add_expert_weights_scale(2.5)
         w.add_expert_weights_norm(True)
-        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        if expert_gating:
+            w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
 
     tied = arch in ("qwen3", "gemma2", "gemma3")
     # gemma scales token embeddings by sqrt(n_embd): draw them that much smaller.

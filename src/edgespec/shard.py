@@ -199,9 +199,8 @@ class ArchHandling:
         restore_input: the graph tensor that rescales *every* input, hidden states included
             (gemma2's ``inp_scaled``); a window after the first overwrites it with the states it
             was given (see :class:`edgespec.stage.StageRuntime`), so they enter unscaled.
-        type_layer_counts: layer counts from which llama.cpp infers a model size that changes a
-            constant (attention scale, low-rank query); a window may neither lose nor gain one.
-        traps: what was checked, for the README table and error messages.
+        traps: every layer-indexed trap of the architecture and how windows handle it (what
+            was checked against llama.cpp; the README's table says the same).
     """
 
     name: str
