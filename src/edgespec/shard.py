@@ -17,8 +17,10 @@ What llama.cpp derives from a layer's absolute index or from the layer count (sl
 periods, leading dense blocks, size-dependent constants, required heads) is listed per
 architecture in :data:`ARCHITECTURES`; windows get it rewritten, or are refused. Architectures
 outside the table are refused by name (:data:`REFUSED_ARCHITECTURES` says why for those known
-not to work). Tensor data is streamed from the
-source file in fixed-size chunks: memory stays flat whatever the model size.
+not to work).
+
+Tensor data is streamed from the source file in fixed-size chunks: memory stays flat whatever
+the model size.
 
 Command line (also ``edgespec shard``)::
 
@@ -234,14 +236,17 @@ ARCHITECTURES: dict[str, ArchHandling] = {a.name: a for a in (
         "token embeddings scaled by sqrt(n_embd) for token input only (first window)",
         "27B attention scale chosen from n_layer == 62: such models are refused"),
         swa_period=6, swa_if_window_key=True),
-    ArchHandling("phi3", _COMMON + ("fused qkv and gate/up", "global rope_factors_long/short kept",
-                                    "llama.cpp ignores phi3's sliding window: nothing to rewrite")),
+    ArchHandling("phi3", _COMMON + (
+        "fused qkv and gate/up", "global rope_factors_long/short kept",
+        "long or short RoPE factors chosen from the context size: the same in every window, as "
+        "every window of a ring gets the ring's n_ctx",
+        "llama.cpp ignores phi3's sliding window: nothing to rewrite")),
     ArchHandling("deepseek2", _COMMON + (
         "multi-head latent attention (per-block tensors only)",
         "leading_dense_block_count rewritten per window",
         "routed + shared experts stay in their block",
         "'lite' (no q_lora_rank) inferred from n_layer 26/27: q_lora_rank pinned, windows of those "
-        "sizes refused for full models",
+        "sizes refused for non-lite models",
         "expert gating default inferred from n_layer: pinned in every window"), dense_lead=True),
     ArchHandling("gpt-oss", _COMMON + (
         "sliding window on every other absolute layer: explicit per-layer pattern",
@@ -266,11 +271,12 @@ REFUSED_ARCHITECTURES: dict[str, str] = {
 
 
 def _arch_handling(arch: str) -> ArchHandling:
-    handling = ARCHITECTURES.get(arch)
+    """The table entry of ``arch``, or a one-line refusal naming it."""
     if arch in REFUSED_ARCHITECTURES:
         raise UnsupportedArchitectureError(
             f"architecture {arch!r} cannot be split into layer windows: {REFUSED_ARCHITECTURES[arch]}; "
             "run it unsplit on one machine")
+    handling = ARCHITECTURES.get(arch)
     if handling is None:
         raise UnsupportedArchitectureError(
             f"architecture {arch!r} cannot be split into layer windows yet: how llama.cpp indexes its "
@@ -299,7 +305,8 @@ def _swa_layers(h: _Header, arch: str, handling: ArchHandling) -> list[bool] | N
     return [il % period < period - 1 for il in range(n_total)]
 
 
-# (architecture, n_layer) pairs llama.cpp maps to a model size that changes a constant.
+# Layer counts from which llama.cpp infers a model size that changes a constant: gemma's 27B
+# attention scale; deepseek2's "lite" variants (no query low-rank projection).
 _SIZE_TRAPS = {"gemma2": (46,), "gemma3": (62,)}
 _DEEPSEEK2_LITE_LAYERS = (26, 27)
 
