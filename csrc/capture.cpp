@@ -17,7 +17,6 @@ HiddenCapture::HiddenCapture(std::string tensor_name, std::size_t n_embd, std::s
                              std::uintptr_t fn_get_name, std::uintptr_t fn_nbytes,
                              std::uintptr_t fn_tensor_get)
     : name_(std::move(tensor_name)), n_embd_(n_embd), max_rows_(max_rows) {
-    if (name_.empty()) throw std::invalid_argument("HiddenCapture: empty tensor name");
     if (n_embd_ == 0 || max_rows_ == 0)
         throw std::invalid_argument("HiddenCapture: n_embd and max_rows must be positive");
     if (fn_get_name == 0 || fn_nbytes == 0 || fn_tensor_get == 0)
@@ -32,6 +31,39 @@ void HiddenCapture::reset() noexcept {
     rows_ = 0;
     calls_ = 0;
     error_.clear();
+    input_ = nullptr;
+    input_rows_ = 0;
+    restored_rows_ = 0;
+}
+
+void HiddenCapture::restore_input(std::string name, std::uintptr_t fn_tensor_set) {
+    if (name.empty()) throw std::invalid_argument("HiddenCapture: empty restore tensor name");
+    if (fn_tensor_set == 0) throw std::invalid_argument("HiddenCapture: null ggml function address");
+    restore_name_ = std::move(name);
+    tensor_set_ = reinterpret_cast<ggml_backend_tensor_set_fn>(fn_tensor_set);
+}
+
+void HiddenCapture::set_input(std::uintptr_t data, std::size_t rows) noexcept {
+    input_ = reinterpret_cast<const float *>(data);
+    input_rows_ = rows;
+    restored_rows_ = 0;
+}
+
+bool HiddenCapture::restore(void *tensor) noexcept {
+    const std::size_t row_bytes = n_embd_ * sizeof(float);
+    const std::size_t nbytes = nbytes_(tensor);
+    const std::size_t rows = nbytes / row_bytes;
+    if (input_ == nullptr || nbytes % row_bytes != 0 || restored_rows_ + rows > input_rows_) {
+        try {
+            error_ = "cannot restore " + restore_name_ + ": " + std::to_string(nbytes) + " bytes, " +
+                     std::to_string(input_rows_ - restored_rows_) + " input rows left";
+        } catch (...) {
+        }
+        return false;
+    }
+    tensor_set_(tensor, input_ + restored_rows_ * n_embd_, 0, nbytes);
+    restored_rows_ += rows;
+    return true;  // keep computing: the layers read the restored rows
 }
 
 bool HiddenCapture::callback(void *tensor, bool ask, void *user_data) noexcept {
@@ -43,7 +75,10 @@ bool HiddenCapture::on_tensor(void *tensor, bool ask) noexcept {
     // llama.cpp calls this on every graph node: anything that throws or allocates here would
     // unwind through C frames, so every failure is recorded in error_ and reported by Python.
     const char *name = get_name_(tensor);
-    if (name == nullptr || std::strcmp(name, name_.c_str()) != 0) {
+    if (name != nullptr && !restore_name_.empty() && std::strcmp(name, restore_name_.c_str()) == 0) {
+        return ask ? true : restore(tensor);
+    }
+    if (name == nullptr || name_.empty() || std::strcmp(name, name_.c_str()) != 0) {
         // Not ours: on ask we decline (so the scheduler batches it with its neighbours);
         // a non-ask call for a tensor we did not claim cannot happen, keep computing anyway.
         return !ask;
@@ -97,6 +132,13 @@ by that decode without a copy (valid until the next decode).
             "user_data", [](HiddenCapture &self) { return reinterpret_cast<std::uintptr_t>(&self); },
             "address to pass as cb_eval_user_data")
         .def("reset", &HiddenCapture::reset)
+        .def("restore_input", &HiddenCapture::restore_input, py::arg("tensor_name"),
+             py::arg("fn_tensor_set"),
+             "after `tensor_name` is computed, overwrite it with the rows given to set_input")
+        .def("set_input", &HiddenCapture::set_input, py::arg("data"), py::arg("rows"),
+             "address and row count of the next decode's float32 input (call after reset)")
+        .def_property_readonly("restore_name", &HiddenCapture::restore_name)
+        .def_property_readonly("restored_rows", &HiddenCapture::restored_rows)
         .def_property_readonly("tensor_name", &HiddenCapture::tensor_name)
         .def_property_readonly("n_embd", &HiddenCapture::n_embd)
         .def_property_readonly("max_rows", &HiddenCapture::max_rows)

@@ -412,7 +412,8 @@ def new_context(
 
 
 def ggml_function_addresses() -> dict[str, int]:
-    """Addresses of ``ggml_get_name``, ``ggml_nbytes`` and ``ggml_backend_tensor_get``.
+    """Addresses of ``ggml_get_name``, ``ggml_nbytes``, ``ggml_backend_tensor_get`` and
+    ``ggml_backend_tensor_set``.
 
     They live in llama_cpp/lib/libggml-base.so, the copy llama.cpp itself uses, so the C++ capture
     callback (which links neither) can call them.
@@ -423,7 +424,7 @@ def ggml_function_addresses() -> dict[str, int]:
         raise LlamaLoadError(f"libggml-base not found in {lib_dir}")
     lib = ctypes.CDLL(str(candidates[0]))
     out = {}
-    for name in ("ggml_get_name", "ggml_nbytes", "ggml_backend_tensor_get"):
+    for name in ("ggml_get_name", "ggml_nbytes", "ggml_backend_tensor_get", "ggml_backend_tensor_set"):
         fn = getattr(lib, name)
         out[name] = ctypes.cast(fn, ctypes.c_void_p).value or 0
         if not out[name]:

@@ -5,6 +5,12 @@ node a share of layers proportional to its speed (water-filling under memory cap
 device with little memory is capped and the rest flows to the others), then cuts each share
 into ``rounds`` windows visited in ring order (prima.cpp's piped ring: with k rounds a lap
 visits every node k times). The estimated lap time is compute plus one link latency per hop.
+
+Memory is counted per layer from the GGUF itself (:func:`model_memory`): a block's own tensors
+(so mixture-of-experts blocks, whose experts are most of the model, weigh what they weigh, and
+leading dense blocks little), the embeddings on the first window, the head on the last, and the
+KV cache each layer keeps per token: keys and values per KV head, or for multi-head latent
+attention (deepseek2) one compressed latent plus its rope part and no separate values.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 class PlanError(ValueError):
@@ -79,6 +86,89 @@ class Plan:
                 "windows": [[w.stage, w.node, w.start, w.stop] for w in self.windows]}
 
 
+_KV_BYTES = 2  # f16 cache cells, llama.cpp's default type_k / type_v
+
+
+@dataclass(frozen=True)
+class ModelMemory:
+    """Bytes a layer window of one model needs (see :func:`model_memory`)."""
+
+    layer_weights: list[int]  # bytes of each block's tensors
+    kv_per_token: list[int]  # KV cache bytes per layer per context cell
+    embd_bytes: int  # token embeddings, held by the first and the last window
+    head_bytes: int  # output norm and head (none with tied embeddings), held by the last window
+    head_on_first: bool = False  # the architecture wants a head in every file (gpt-oss)
+
+    @property
+    def n_layer(self) -> int:
+        return len(self.layer_weights)
+
+    def layer_bytes(self, i: int, n_ctx: int) -> int:
+        """Weights plus KV cache of layer ``i`` at ``n_ctx`` cells."""
+        return self.layer_weights[i] + self.kv_per_token[i] * n_ctx
+
+    def window_bytes(self, a: int, b: int, n_ctx: int) -> int:
+        """A window's weights, KV cache, and the embeddings / head when it holds the ends."""
+        total = sum(self.layer_bytes(i, n_ctx) for i in range(a, b))
+        first, last = a == 0, b == self.n_layer
+        if first or last:
+            total += self.embd_bytes
+        if last or (first and self.head_on_first):
+            total += self.head_bytes
+        return total
+
+
+def model_memory(path: str | Path) -> ModelMemory:
+    """Per-layer memory of a full GGUF model, read from its tensor directory and metadata.
+
+    The KV cache of a layer stores, per cell, ``key_length * n_head_kv`` key and
+    ``value_length * n_head_kv`` value elements (per-layer head counts honoured); with
+    multi-head latent attention (``attention.key_length_mla`` present) llama.cpp caches only
+    the latent keys (``kv_lora_rank + rope dims``; values are a view of them). Sliding-window
+    layers are counted at full size: edgespec's contexts keep llama.cpp's full-size SWA cache.
+    """
+    import re
+
+    from .shard import ARCHITECTURES, _open
+
+    with _open(path) as h:
+        arch, n_layer, n_embd, _n_vocab = h.dims()
+        weights = [0] * n_layer
+        embd = head = 0
+        for t in h.tensors:
+            m = re.match(r"^blk\.(\d+)\.", t.name)
+            if m:
+                i = int(m.group(1))
+                if i < n_layer:
+                    weights[i] += t.nbytes
+            elif t.name == "token_embd.weight":
+                embd = t.nbytes
+            elif t.name.startswith("output"):
+                head += t.nbytes
+
+        def per_layer(key: str, default: int) -> list[int]:
+            v = h.get(f"{arch}.{key}")
+            if isinstance(v, list) and len(v) >= n_layer:
+                return [int(x) for x in v[:n_layer]]
+            return [int(v) if isinstance(v, int) else default] * n_layer
+
+        n_head = per_layer("attention.head_count", 1)
+        n_head_kv = per_layer("attention.head_count_kv", 0)
+        n_head_kv = [kv or q for kv, q in zip(n_head_kv, n_head, strict=True)]
+        if h.get(f"{arch}.attention.key_length_mla") is not None:
+            rank = int(h.get(f"{arch}.attention.kv_lora_rank") or 0)
+            rope = int(h.get(f"{arch}.rope.dimension_count") or 0)
+            kv = [(rank + rope) * _KV_BYTES] * n_layer
+        else:
+            kv = []
+            for i in range(n_layer):
+                k_len = h.get(f"{arch}.attention.key_length") or n_embd // max(1, n_head[i])
+                v_len = h.get(f"{arch}.attention.value_length") or k_len
+                kv.append((int(k_len) + int(v_len)) * n_head_kv[i] * _KV_BYTES)
+        handling = ARCHITECTURES.get(arch)
+    return ModelMemory(weights, kv, embd, head, bool(handling and handling.head_required))
+
+
 def _shares(n_layer: int, speeds: Sequence[float], caps: Sequence[int]) -> list[int]:
     """Integer layer counts proportional to ``speeds`` under ``caps`` (water-filling)."""
     n = len(speeds)
@@ -124,9 +214,18 @@ def _shares(n_layer: int, speeds: Sequence[float], caps: Sequence[int]) -> list[
 
 def plan_ring(n_layer: int, layer_bytes: int, nodes: Sequence[NodeProfile], *,
               rounds: int = 1, batch: int = 1, reserve: float = 0.8,
-              ranges: Sequence[tuple[int, int]] | None = None) -> Plan:
+              ranges: Sequence[tuple[int, int]] | None = None,
+              memory: ModelMemory | None = None, n_ctx: int = 4096) -> Plan:
     """The plan for ``nodes`` (in ring order). ``ranges`` overrides the split (one range per
-    node and round, in ring order)."""
+    node and round, in ring order).
+
+    ``layer_bytes`` is one layer's memory; with ``memory`` (:func:`model_memory`) the heaviest
+    layer's weights plus KV cache at ``n_ctx`` are used instead, and every node's windows,
+    with the embeddings and head they hold, are checked against its free memory."""
+    if memory is not None:
+        if memory.n_layer != n_layer:
+            raise PlanError(f"memory estimate covers {memory.n_layer} layers, the model has {n_layer}")
+        layer_bytes = max(memory.layer_bytes(i, n_ctx) for i in range(n_layer))
     nodes = list(nodes)
     if not nodes:
         raise PlanError("no nodes to plan over")
@@ -147,8 +246,12 @@ def plan_ring(n_layer: int, layer_bytes: int, nodes: Sequence[NodeProfile], *,
             raise PlanError(f"ranges end at layer {pos}, the model has {n_layer}")
     else:
         speeds = [1.0 / max(n.layer_ms(batch), 1e-6) for n in nodes]
-        caps = [max(0, int(n.free_mem * reserve // max(layer_bytes, 1))) if n.free_mem else
-                n_layer for n in nodes]
+        ends = [0] * len(nodes)  # the first node holds the embeddings, the last the head too
+        if memory is not None:
+            ends[0] += memory.embd_bytes + (memory.head_bytes if memory.head_on_first else 0)
+            ends[-1] += memory.embd_bytes + memory.head_bytes
+        caps = [max(0, int((n.free_mem * reserve - end) // max(layer_bytes, 1))) if n.free_mem else
+                n_layer for n, end in zip(nodes, ends, strict=True)]
         # Every ring member holds at least one layer; a node without room for one would be
         # given it anyway by _shares' minimum and then fail to load: say so here, by name.
         for n, cap in zip(nodes, caps, strict=True):
@@ -168,6 +271,14 @@ def plan_ring(n_layer: int, layer_bytes: int, nodes: Sequence[NodeProfile], *,
                 k = per_round[i][r]
                 windows.append(Window(len(windows), i, pos, pos + k))
                 pos += k
+    if memory is not None:
+        for i, n in enumerate(nodes):
+            need = sum(memory.window_bytes(w.start, w.stop, n_ctx) for w in windows if w.node == i)
+            if n.free_mem and need > n.free_mem * reserve:
+                held = ",".join(f"{w.start}:{w.stop}" for w in windows if w.node == i)
+                raise PlanError(f"node {n.name} ({n.host}:{n.port}) would need {need} bytes for "
+                                f"layers {held} at n_ctx={n_ctx}, it has {n.free_mem} free: free "
+                                f"memory there, add a device, or give it fewer layers")
     compute = sum(w.n_layers * nodes[w.node].layer_ms(batch) for w in windows)
     hops = sum(nodes[w.node].rtt_ms / 2 for w in windows) + nodes[windows[-1].node].rtt_ms / 2
     return Plan(nodes, windows, n_layer, est_lap_ms=compute + hops)

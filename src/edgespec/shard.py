@@ -1,4 +1,4 @@
-"""Cut a GGUF model into layer-window shards that llama.cpp loads as small models (DESIGN 3.1).
+"""Cut a GGUF model into layer-window shards that llama.cpp loads as small models.
 
 A window ``[a, b)`` becomes one GGUF file holding blocks ``a..b-1`` renumbered to ``0..b-a-1``,
 ``{arch}.block_count = b - a`` and the global tensors (``output_norm``, llama's ``rope_freqs``...):
@@ -11,8 +11,16 @@ A window ``[a, b)`` becomes one GGUF file holding blocks ``a..b-1`` renumbered t
 
 Every shard records ``edgespec.fingerprint`` (the full model's identity, see :func:`fingerprint`),
 ``edgespec.range``, ``edgespec.n_layer`` and ``edgespec.role``, so a runtime can refuse a shard of
-another model or a neighbour whose range does not join its own. Tensor data is streamed from the
-source file in fixed-size chunks: memory stays flat whatever the model size.
+another model or a neighbour whose range does not join its own.
+
+What llama.cpp derives from a layer's absolute index or from the layer count (sliding-window
+periods, leading dense blocks, size-dependent constants, required heads) is listed per
+architecture in :data:`ARCHITECTURES`; windows get it rewritten, or are refused. Architectures
+outside the table are refused by name (:data:`REFUSED_ARCHITECTURES` says why for those known
+not to work).
+
+Tensor data is streamed from the source file in fixed-size chunks: memory stays flat whatever
+the model size.
 
 Command line (also ``edgespec shard``)::
 
@@ -40,7 +48,10 @@ import numpy as np
 
 __all__ = [
     "MANIFEST_NAME",
+    "ARCHITECTURES",
     "SUPPORTED_ARCHITECTURES",
+    "REFUSED_ARCHITECTURES",
+    "ArchHandling",
     "CorruptShardError",
     "Manifest",
     "ShardError",
@@ -62,7 +73,6 @@ __all__ = [
     "validate_ranges",
 ]
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "edgespec-shards/1"
 
@@ -168,6 +178,195 @@ class Manifest:
             if s.file == filename:
                 return s
         return None
+
+
+# --------------------------------------------------------------------------------------------
+# Architectures: every place where llama.cpp reads something that depends on a layer's absolute
+# index or on the number of layers in the file. A window renumbers its blocks from 0 and has
+# fewer of them, so each such trap either gets rewritten metadata or is refused.
+
+
+@dataclass(frozen=True)
+class ArchHandling:
+    """How windows of one llama.cpp architecture are cut.
+
+    Attributes:
+        swa_period: llama.cpp's default sliding-window period (a layer ``il`` slides when
+            ``il % period < period - 1``, or the reverse with ``swa_dense_first``); windows get
+            the explicit per-layer ``attention.sliding_window_pattern`` of their absolute layers,
+            because the period restarts at the window's layer 0. None: no sliding window.
+        swa_if_window_key: sliding layers exist only when ``attention.sliding_window`` > 0.
+        dense_lead: ``leading_dense_block_count`` counts the window's own leading dense blocks.
+        head_required: llama.cpp insists on ``output.weight`` in every file (no tied fallback).
+        restore_input: the graph tensor that rescales *every* input, hidden states included
+            (gemma2's ``inp_scaled``); a window after the first overwrites it with the states it
+            was given (see :class:`edgespec.stage.StageRuntime`), so they enter unscaled.
+        traps: every layer-indexed trap of the architecture and how windows handle it (what
+            was checked against llama.cpp; the README's table says the same).
+    """
+
+    name: str
+    traps: tuple[str, ...]
+    swa_period: int | None = None
+    swa_dense_first: bool = False
+    swa_if_window_key: bool = False
+    dense_lead: bool = False
+    head_required: bool = False
+    restore_input: str | None = None
+
+
+_COMMON = ("per-layer metadata arrays sliced to the window", "tied or untied head kept on the last window only",
+           "stub vocabulary on middle windows")
+
+ARCHITECTURES: dict[str, ArchHandling] = {a.name: a for a in (
+    ArchHandling("llama", _COMMON + ("global rope_freqs.weight kept in every window",
+                                     "Mixtral-style routed experts (ffn_*_exps) stay in their block")),
+    ArchHandling("qwen2", _COMMON + ("q/k/v biases",)),
+    ArchHandling("qwen3", _COMMON + ("per-head q/k norms",)),
+    ArchHandling("qwen3moe", _COMMON + ("per-head q/k norms", "routed experts stay in their block")),
+    ArchHandling("gemma2", _COMMON + (
+        "sliding window on every other absolute layer: explicit per-layer pattern",
+        "llama.cpp scales every input by sqrt(n_embd), hidden states too: later windows overwrite "
+        "inp_scaled with the states they were given",
+        "attention soft-capping per layer, final soft-capping on the last window",
+        "27B attention scale chosen from n_layer == 46: such models are refused"), swa_period=2,
+        restore_input="inp_scaled"),
+    ArchHandling("gemma3", _COMMON + (
+        "sliding window on 5 of every 6 absolute layers, with its own RoPE base: explicit pattern",
+        "token embeddings scaled by sqrt(n_embd) for token input only (first window)",
+        "27B attention scale chosen from n_layer == 62: such models are refused"),
+        swa_period=6, swa_if_window_key=True),
+    ArchHandling("phi3", _COMMON + (
+        "fused qkv and gate/up", "global rope_factors_long/short kept",
+        "long or short RoPE factors chosen from the context size: the same in every window, as "
+        "every window of a ring gets the ring's n_ctx",
+        "llama.cpp ignores phi3's sliding window: nothing to rewrite")),
+    ArchHandling("deepseek2", _COMMON + (
+        "multi-head latent attention (per-block tensors only)",
+        "leading_dense_block_count rewritten per window",
+        "routed + shared experts stay in their block",
+        "'lite' (no q_lora_rank) inferred from n_layer 26/27: q_lora_rank pinned, windows of those "
+        "sizes refused for non-lite models",
+        "expert gating default inferred from n_layer: pinned in every window"), dense_lead=True),
+    ArchHandling("gpt-oss", _COMMON + (
+        "sliding window on every other absolute layer: explicit per-layer pattern",
+        "attention sinks and expert biases (per-block)",
+        "output.weight required in every file: middle windows get a 1-row stub, the first keeps it"),
+        swa_period=2, head_required=True),
+)}
+
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
+
+# Architectures llama.cpp loads but whose windows cannot be made exact, and why.
+_RECURRENT = ("its recurrent state layers cannot drop a rejected draft by position, which tree "
+              "verification needs")
+REFUSED_ARCHITECTURES: dict[str, str] = {
+    "gemma3n": "every layer also reads per-layer embeddings of the token ids, which a window after "
+               "the first never sees",
+    "glm4moe": "llama.cpp aborts the process when a glm4moe file without M-RoPE sections is given "
+               "hidden states instead of token ids, and every window after the first is",
+    **{a: _RECURRENT for a in ("mamba", "mamba2", "rwkv6", "rwkv7", "qwen3next", "jamba",
+                               "falcon-h1", "lfm2", "granitehybrid", "nemotron_h")},
+}
+
+
+def _arch_handling(arch: str) -> ArchHandling:
+    """The table entry of ``arch``, or a one-line refusal naming it."""
+    if arch in REFUSED_ARCHITECTURES:
+        raise UnsupportedArchitectureError(
+            f"architecture {arch!r} cannot be split into layer windows: {REFUSED_ARCHITECTURES[arch]}; "
+            "run it unsplit on one machine")
+    handling = ARCHITECTURES.get(arch)
+    if handling is None:
+        raise UnsupportedArchitectureError(
+            f"architecture {arch!r} cannot be split into layer windows yet: how llama.cpp indexes its "
+            f"layers has not been checked (supported: {', '.join(SUPPORTED_ARCHITECTURES)}); "
+            "run it unsplit on one machine, or ask for support with the model's name")
+    return handling
+
+
+def _swa_layers(h: _Header, arch: str, handling: ArchHandling) -> list[bool] | None:
+    """Which absolute layers of the full model slide (None: the model has no sliding window)."""
+    n_total = h.get(f"{arch}.block_count")
+    kv = h.kv.get(f"{arch}.attention.sliding_window_pattern")
+    if kv is not None and kv.vtype == gguf.GGUFValueType.ARRAY:
+        return None  # an explicit per-layer array: sliced like every per-layer array
+    if handling.swa_period is None:
+        return None
+    if handling.swa_if_window_key and not (h.get(f"{arch}.attention.sliding_window") or 0) > 0:
+        return None
+    period = handling.swa_period
+    if kv is not None and isinstance(kv.value, int):
+        period = kv.value
+    if period == 0:
+        return [True] * n_total
+    if handling.swa_dense_first:
+        return [il % period != 0 for il in range(n_total)]
+    return [il % period < period - 1 for il in range(n_total)]
+
+
+# Layer counts from which llama.cpp infers a model size that changes a constant: gemma's 27B
+# attention scale; deepseek2's "lite" variants (no query low-rank projection).
+_SIZE_TRAPS = {"gemma2": (46,), "gemma3": (62,)}
+_DEEPSEEK2_LITE_LAYERS = (26, 27)
+
+
+def _deepseek2_is_lite(n_layer: int, n_vocab: int) -> bool:
+    return n_layer in _DEEPSEEK2_LITE_LAYERS or (n_layer == 48 and n_vocab == 128256)
+
+
+def _check_windows(h: _Header, arch: str, ranges: Sequence[tuple[int, int]], n_layer: int,
+                   n_vocab: int) -> None:
+    """Refuse windows whose layer count would make llama.cpp pick other constants."""
+    if arch in _SIZE_TRAPS:
+        n_embd = h.get(f"{arch}.embedding_length")
+        n_head = h.get(f"{arch}.attention.head_count")
+        n_head = n_head[0] if isinstance(n_head, list) and n_head else n_head
+        if not isinstance(n_embd, int) or not isinstance(n_head, int) or n_head <= 0:
+            raise CorruptShardError(f"{h.path} lacks {arch}.embedding_length / attention.head_count")
+        head_dim = h.get(f"{arch}.attention.key_length") or n_embd // n_head
+        scale_differs = n_embd // n_head != int(head_dim)
+        for a, b in ranges:
+            sizes = {n_layer, b - a}
+            if (a, b) != (0, n_layer) and scale_differs and sizes & set(_SIZE_TRAPS[arch]):
+                raise ShardError(
+                    f"{arch}: llama.cpp picks the attention scale of a {n_layer}-layer model from its "
+                    f"layer count, so window {a}:{b} would compute other attention; run this model "
+                    "unsplit")
+    if arch == "deepseek2" and not _deepseek2_is_lite(n_layer, n_vocab):
+        for a, b in ranges:
+            role = _role(a, b, n_layer)
+            if (a, b) != (0, n_layer) and _deepseek2_is_lite(b - a, 1 if role == "middle" else n_vocab):
+                raise ShardError(
+                    f"deepseek2: llama.cpp treats a {b - a}-layer file as a 'lite' model (no query "
+                    f"low-rank projection), so window {a}:{b} would not load; choose other ranges")
+
+
+def _arch_metadata(h: _Header, arch: str, n_layer: int, n_vocab: int, a: int, b: int,
+                   dropped: set[str]) -> list[bytes]:
+    """Rewritten or pinned metadata of window ``[a, b)``; ``dropped`` receives the source keys
+    they replace."""
+    handling = ARCHITECTURES[arch]
+    out: list[bytes] = []
+    swa = _swa_layers(h, arch, handling)
+    if swa is not None:
+        key = f"{arch}.attention.sliding_window_pattern"
+        dropped.add(key)
+        out.append(_kv_bool_array(key, swa[a:b]))
+    if handling.dense_lead:
+        key = f"{arch}.leading_dense_block_count"
+        lead = h.get(key)
+        if isinstance(lead, int):
+            dropped.add(key)
+            out.append(_kv_u32(key, max(0, min(lead, b) - a)))
+    if arch == "deepseek2":
+        if h.get(f"{arch}.attention.q_lora_rank") is None:
+            # Absent means "lite" only while the layer count says so: pin it for every window.
+            out.append(_kv_u32(f"{arch}.attention.q_lora_rank", 0))
+        if h.get(f"{arch}.expert_gating_func") is None:
+            sigmoid = n_layer in (47, 48) and n_vocab == 154880
+            out.append(_kv_u32(f"{arch}.expert_gating_func", 2 if sigmoid else 1))
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -491,6 +690,11 @@ def _kv_str(key: str, value: str) -> bytes:
     return _pack_str(key) + struct.pack("<I", gguf.GGUFValueType.STRING) + _pack_str(value)
 
 
+def _kv_bool_array(key: str, values: Sequence[bool]) -> bytes:
+    return (_pack_str(key) + struct.pack("<IIQ", gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.BOOL,
+                                         len(values)) + struct.pack(f"<{len(values)}?", *values))
+
+
 def _kv_u32_array(key: str, values: Sequence[int]) -> bytes:
     return (_pack_str(key) + struct.pack("<IIQ", gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.UINT32,
                                          len(values)) + struct.pack(f"<{len(values)}I", *values))
@@ -500,13 +704,15 @@ def _window_metadata(h: _Header, arch: str, n_layer: int, n_vocab: int, fp: str,
                      role: str) -> list[bytes]:
     """Encoded metadata entries of the window: the source's, verbatim where unchanged."""
     stub = role == "middle"
+    dropped = {f"{arch}.block_count", f"{arch}.vocab_size"}
+    pinned = _arch_metadata(h, arch, n_layer, n_vocab, a, b, dropped)
     out = []
     for key, kv in h.kv.items():
         if key.startswith("edgespec."):
             continue
         if stub and key.startswith("tokenizer."):
             continue
-        if key in (f"{arch}.block_count", f"{arch}.vocab_size"):
+        if key in dropped:
             continue
         raw = kv.raw
         # Per-layer arrays (some llama variants store head counts or ffn sizes per layer) follow
@@ -517,6 +723,7 @@ def _window_metadata(h: _Header, arch: str, n_layer: int, n_vocab: int, fp: str,
             part = kv.value[a:b]
             raw = struct.pack("<IIQ", kv.vtype, kv.sub_type, len(part)) + struct.pack(f"<{len(part)}{fmt}", *part)
         out.append(_pack_str(key) + raw)
+    out.extend(pinned)
     out.append(_kv_u32(f"{arch}.block_count", b - a))
     if stub:
         out.append(_kv_str("tokenizer.ggml.model", "none"))
@@ -546,6 +753,10 @@ def _plan_tensors(h: _Header, a: int, b: int, role: str) -> list[_Planned]:
     plan: list[_Planned] = []
     stub = role == "middle"
     keeps_head = role in ("last", "full")
+    arch = h.get("general.architecture")
+    handling = ARCHITECTURES.get(arch) if isinstance(arch, str) else None
+    if handling is not None and handling.head_required:
+        keeps_head = role != "middle"  # the first window has the real vocabulary: a real head
     for t in h.tensors:
         m = _BLOCK_RE.match(t.name)
         if m:
@@ -560,6 +771,11 @@ def _plan_tensors(h: _Header, a: int, b: int, role: str) -> list[_Planned]:
                                  None, zeros))
             continue
         if t.name.startswith("output.") and not keeps_head:
+            if stub and handling is not None and handling.head_required and t.name == "output.weight":
+                n_embd = t.ne[0]
+                zeros = np.zeros((1, n_embd), dtype=np.float32).tobytes()
+                plan.append(_Planned(t.name, [n_embd, 1], int(gguf.GGMLQuantizationType.F32), len(zeros),
+                                     None, zeros))
             continue  # no head before the last window (tied to token_embd if llama.cpp asks)
         plan.append(_Planned(t.name, t.ne, t.ggml_type, t.nbytes, t.offset))
     return plan
@@ -626,10 +842,7 @@ def _load_source(model_path: str | os.PathLike[str]) -> tuple[_Header, str, int,
         arch, n_layer, n_embd, n_vocab = h.dims()
         if KEY_FINGERPRINT in h.kv:
             raise ShardError(f"{h.path} is already a shard (edgespec.range present); shard the full model")
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise UnsupportedArchitectureError(
-                f"architecture {arch!r} is not supported yet for layer-window sharding "
-                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        _arch_handling(arch)
     except BaseException:
         h.close()
         raise
@@ -658,6 +871,7 @@ def shard_model(
         rngs = list(ranges) if ranges is not None else even_ranges(n_layer, int(n_stages or 0))
         rngs = [(int(a), int(b)) for a, b in rngs]
         validate_ranges(rngs, n_layer, cover=True)
+        _check_windows(h, arch, rngs, n_layer, n_vocab)
         fp = h.fingerprint()
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -692,6 +906,7 @@ def cut_window(
     with h:
         a, b = int(layer_range[0]), int(layer_range[1])
         validate_ranges([(a, b)], n_layer, cover=False)
+        _check_windows(h, arch, [(a, b)], n_layer, n_vocab)
         fp = h.fingerprint()
         out = Path(out_path) if out_path is not None else h.path.with_name(_shard_name(h.path, a, b))
         if out.exists():

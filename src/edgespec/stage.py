@@ -37,6 +37,7 @@ import numpy as np
 
 from . import llamacpp
 from .shard import (
+    ARCHITECTURES,
     MANIFEST_NAME,
     CorruptShardError,
     Manifest,
@@ -229,13 +230,18 @@ class StageRuntime:
                     f"metadata says {self.n_embd} / {info.n_layer}")
             self._capture = None
             cb, ud = None, None
-            if not self.is_last:
+            # Architectures whose graph rescales hidden-state input get it restored (see shard).
+            handling = ARCHITECTURES.get(info.architecture)
+            restore = handling.restore_input if handling is not None and not self.is_first else None
+            if not self.is_last or restore:
                 from ._native import core as _core
 
                 fns = llamacpp.ggml_function_addresses()
                 self._capture = _core.HiddenCapture(
-                    f"l_out-{info.n_layer - 1}", self.n_embd, n_batch,
+                    "" if self.is_last else f"l_out-{info.n_layer - 1}", self.n_embd, n_batch,
                     fns["ggml_get_name"], fns["ggml_nbytes"], fns["ggml_backend_tensor_get"])
+                if restore:
+                    self._capture.restore_input(restore, fns["ggml_backend_tensor_set"])
                 cb, ud = _core.HiddenCapture.callback_address, self._capture.user_data
             self._ctx = llamacpp.new_context(
                 self._model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_seq_max=n_seq_max,
@@ -542,6 +548,9 @@ class StageRuntime:
     def _decode(self, m: int) -> np.ndarray:
         if self._capture is not None:
             self._capture.reset()
+            if self._capture.restore_name:
+                assert self._b_embd is not None
+                self._capture.set_input(self._b_embd.ctypes.data, m)
         rc = llama_cpp.llama_decode(self._ctx.ptr, self._batch)  # type: ignore[union-attr]
         if rc == 1:
             raise KVCacheFullError(
@@ -550,9 +559,12 @@ class StageRuntime:
         if rc != 0:
             raise DecodeError(f"stage {self.layer_range}: llama_decode returned {rc} "
                               "(enable edgespec.llamacpp.set_verbose(True) for llama.cpp's reason)")
-        if self._capture is not None:
-            if self._capture.error:
-                raise DecodeError(f"stage {self.layer_range}: hidden-state capture failed: {self._capture.error}")
+        if self._capture is not None and self._capture.error:
+            raise DecodeError(f"stage {self.layer_range}: hidden-state capture failed: {self._capture.error}")
+        if self._capture is not None and self._capture.restore_name and self._capture.restored_rows != m:
+            raise DecodeError(f"stage {self.layer_range}: restored {self._capture.restored_rows} input rows "
+                              f"of {self._capture.restore_name}, expected {m}")
+        if self._capture is not None and not self.is_last:
             if self._capture.rows != m:
                 raise DecodeError(
                     f"stage {self.layer_range}: captured {self._capture.rows} rows of "

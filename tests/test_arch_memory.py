@@ -1,0 +1,99 @@
+"""The planner's memory estimates per architecture: window weights as the shards really hold them
+(experts dominate a mixture-of-experts window, leading dense blocks weigh little), and KV cache
+sizes equal to what llama.cpp allocates (grouped-query, sliding-window, latent attention)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import gguf
+import pytest
+from tinygguf import make_tiny_gguf
+
+from edgespec import llamacpp
+from edgespec.planner import NodeProfile, model_memory, plan_ring
+from edgespec.shard import shard_model
+from edgespec.stage import StageRuntime
+
+N_CTX = 1024
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("mem")
+    specs = {
+        "qwen3": dict(arch="qwen3", n_layer=4),
+        "qwen3moe": dict(arch="qwen3moe", n_layer=4, n_expert=8),
+        "deepseek2": dict(arch="deepseek2", n_layer=5, leading_dense=2, n_expert=8),
+        "gemma3": dict(arch="gemma3", n_layer=7),
+        "gpt-oss": dict(arch="gpt-oss", n_layer=4),
+    }
+    return {k: make_tiny_gguf(base / f"{k}.gguf", seed=2, **v) for k, v in specs.items()}
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3moe", "deepseek2", "gemma3", "gpt-oss"])
+def test_window_weights_match_the_shards(models, name: str, tmp_path: Path) -> None:
+    model = models[name]
+    mem = model_memory(model)
+    n = mem.n_layer
+    ranges = [(0, 1), (1, n - 1), (n - 1, n)]
+    manifest = shard_model(model, tmp_path, ranges=ranges, progress=False)
+    for (a, b), path in zip(ranges, manifest.shard_paths(tmp_path), strict=True):
+        held = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
+        stubs = 3 * 64 * 4  # a middle window: 1-row embedding (and head) stubs, output_norm
+        assert 0 <= held - mem.window_bytes(a, b, 0) <= stubs, (a, b)
+
+
+def test_experts_dominate_and_dense_lead_is_light(models) -> None:
+    mem = model_memory(models["deepseek2"])
+    dense, moe = mem.layer_weights[0], mem.layer_weights[2]
+    assert mem.layer_weights[1] == dense and moe > 3 * dense
+    # The old estimate (file size / layers) would call every layer the same size.
+    uniform = models["deepseek2"].stat().st_size // mem.n_layer
+    assert moe > uniform > dense
+
+
+def _llamacpp_kv_bytes(model: Path, capfd: pytest.CaptureFixture[str]) -> float:
+    llamacpp.set_verbose(True)
+    try:
+        capfd.readouterr()
+        with StageRuntime(model, n_ctx=N_CTX, n_threads=1):
+            pass
+        err = capfd.readouterr().err
+    finally:
+        llamacpp.set_verbose(False)
+    sizes = re.findall(r"llama_kv_cache: size =\s+([0-9.]+) MiB", err)
+    assert sizes, err[-2000:]
+    return sum(float(x) for x in sizes) * 2**20
+
+
+@pytest.mark.parametrize("name", ["qwen3", "deepseek2", "gemma3", "gpt-oss"])
+def test_kv_estimate_is_what_llamacpp_allocates(models, name: str, capfd) -> None:
+    mem = model_memory(models[name])
+    estimate = sum(mem.kv_per_token) * N_CTX
+    allocated = _llamacpp_kv_bytes(models[name], capfd)
+    assert abs(estimate - allocated) <= 0.01 * 2**20 * 2  # llama.cpp prints MiB with 2 decimals
+
+
+def test_latent_attention_caches_the_latent_only(models) -> None:
+    mem = model_memory(models["deepseek2"])
+    # kv_lora_rank 32 + rope dims 8, f16, one shared latent: not 2 x 4 heads x 24 dims.
+    assert mem.kv_per_token == [(32 + 8) * 2] * 5
+
+
+def test_plan_fits_moe_windows_into_free_memory(models) -> None:
+    """A small last node: counted as file size / layers it takes two expert blocks plus the
+    embeddings and head, which do not fit; counted per layer it takes what fits."""
+    model = models["deepseek2"]
+    mem = model_memory(model)
+    n = mem.n_layer
+    uniform = model.stat().st_size // n
+    small = int(3 * uniform / 0.8) + 1
+    nodes = [NodeProfile("b", "big", "10.0.0.2", 1, free_mem=1 << 34),
+             NodeProfile("a", "small", "10.0.0.1", 1, free_mem=small)]
+    plan = plan_ring(n, uniform, nodes, memory=mem, n_ctx=N_CTX)
+    for i, node in enumerate(nodes):
+        need = sum(mem.window_bytes(w.start, w.stop, N_CTX) for w in plan.windows if w.node == i)
+        assert need <= node.free_mem * 0.8
+    assert plan.ranges == [(0, 4), (4, 5)]
