@@ -184,3 +184,37 @@ def test_node_logs_with_timestamps(home):
     log = node.stop()
     first = log.splitlines()[0]
     assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ INFO edgespec\.node: ", first), log
+
+
+def test_chat_warns_when_the_ring_that_is_up_runs_another_model(home, tiny_model):
+    nodes = [NodeProcess(home), NodeProcess(home)]
+    try:
+        addrs = ",".join(f"127.0.0.1:{n.port}" for n in nodes)
+        up = run("ring", "up", "--nodes", addrs, "--model", str(tiny_model), "--no-profile",
+                 env=home)
+        assert up.returncode == 0, up.stderr
+        asked = subprocess.run([EXE, "chat", "--model", "qwen2.5-coder-0.5b"], env=home,
+                               capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                               timeout=120)
+        plain = subprocess.run([EXE, "chat"], env=home, capture_output=True, text=True,
+                               stdin=subprocess.DEVNULL, timeout=120)
+        assert run("ring", "down", env=home).returncode == 0
+    finally:
+        for n in nodes:
+            n.stop()
+    assert asked.returncode == 0 and "edgespec chat: tiny over 2 stage(s)" in asked.stdout
+    assert ("warning: --model qwen2.5-coder-0.5b ignored: the ring that is up runs tiny"
+            in asked.stderr), asked.stderr
+    assert plain.returncode == 0 and "warning" not in plain.stderr, plain.stderr
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["chat", "--ctx", "100"], "--ctx"),  # smaller than a tree's sequences: a node would die
+    (["chat", "--local", "0"], "--local"),
+    (["chat", "--temperature", "-1"], "--temperature"),
+    (["demo", "--max-tokens", "many"], "--max-tokens"),
+    (["node", "--port", "99999", "--no-mdns"], "--port"),
+])
+def test_bad_values_are_refused_in_one_line_before_anything_starts(home, argv, option):
+    line = one_line_error(run(*argv, env=home, timeout=60))
+    assert option in line

@@ -28,10 +28,24 @@ Run `edgespec COMMAND --help` for the options of each command.
 """
 
 
-class _Formatter(argparse.RawDescriptionHelpFormatter):
+class _Parser(argparse.ArgumentParser):
+    """A wrong argument gets one line that names the option and points to --help (instead
+    of the whole usage block)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"edgespec: {message} (see `{self.prog} --help`)\n")
+
+
+class _Formatter(argparse.HelpFormatter):
     """Shows an option's default where it tells the user something: not for flags, not where
     there is none (``None``: the help text says what happens instead), and not where the help
-    text already names it."""
+    text already names it. Descriptions are wrapped to the terminal unless laid out by hand
+    (with line breaks, like the epilog's examples)."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if "\n" in text:
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
@@ -41,6 +55,9 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
             return text
         return text + " (default: %(default)s)"
 
+
+#: The smallest context a ring's stages accept: they hold up to 256 tree sequences.
+MIN_CTX = 256
 
 VERBOSE_HELP = "show tracebacks, debug logging and llama.cpp's own log output"
 
@@ -56,6 +73,21 @@ def _add(sub, name: str, help_text: str, description: str | None = None,
     if func is not None:
         p.set_defaults(func=func)
     return p
+
+
+def _at_least(low: float, kind: type = int, why: str = "") -> Callable[[str], float]:
+    """An argparse type: a number of ``kind`` not below ``low`` (argparse names the option)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}{why}, got {text}")
+        return value
+
+    return parse
 
 
 def _set_help(parser: argparse.ArgumentParser, option: str, text: str) -> None:
@@ -334,7 +366,7 @@ def _add_ring_choice(p: argparse.ArgumentParser) -> None:
                    help="registry name or .gguf path for a local ring (default: "
                         "qwen2.5-coder-0.5b; a ring that is up keeps its own model, with a "
                         "warning if it is another one)")
-    p.add_argument("--local", type=int, default=None, metavar="N",
+    p.add_argument("--local", type=_at_least(1), default=None, metavar="N",
                    help="start a local ring of N node processes instead of attaching to the "
                         "ring that is up (default: attach if one is up, else N=2)")
     p.add_argument("--spec", choices=("auto", "none", "sync", "flow"), default="auto",
@@ -346,8 +378,9 @@ def _add_ring_choice(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-quant", choices=("q4_0", "none"), default="q4_0",
                    help="draft with a cached Q4_0 copy of the draft model (default; made once, "
                         "faster on CPUs, never changes the output) or with the file as given")
-    p.add_argument("--ctx", type=int, default=4096,
-                   help="context size (KV cells per stage) of a local ring")
+    p.add_argument("--ctx", type=_at_least(MIN_CTX, why=" (a speculation tree's sequences "
+                                                     "need that many KV cells)"),
+                   default=4096, help="context size (KV cells per stage) of a local ring")
 
 
 class _StoreGiven(argparse.Action):
@@ -418,8 +451,9 @@ def _add_chat(sub) -> None:
     p.add_argument("--api-key", default=None,
                    help="bearer token for --server (default: $EDGESPEC_API_KEY, if set)")
     p.add_argument("--system", default=None, help="system prompt")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--max-tokens", type=int, default=512,
+    p.add_argument("--temperature", type=_at_least(0.0, float), default=0.0,
+                   help="0 = greedy")
+    p.add_argument("--max-tokens", type=_at_least(1), default=512,
                    help="answer length limit (capped to the room left in the context)")
 
 
@@ -455,10 +489,11 @@ def _add_demo(sub) -> None:
     p = _add(sub, "demo", "one-command local demo: fetch the default model, start a 2-node "
              "ring, stream an answer with speculation, print statistics", func=_demo)
     p.add_argument("--model", default="qwen2.5-coder-0.5b", help="registry name or .gguf path")
-    p.add_argument("--stages", type=int, default=2, help="node processes in the local ring")
+    p.add_argument("--stages", type=_at_least(1), default=2,
+                   help="node processes in the local ring")
     p.add_argument("--spec", choices=("auto", "none", "sync", "flow"), default="auto",
                    help="speculative decoding mode")
-    p.add_argument("--max-tokens", type=int, default=256, help="answer length")
+    p.add_argument("--max-tokens", type=_at_least(1), default=256, help="answer length")
     p.add_argument("--prompt", default=None,
                    help="your own prompt (default: a short Python task)")
 
@@ -466,7 +501,7 @@ def _add_demo(sub) -> None:
 # ------------------------------------------------------------------------------------ main
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="edgespec",
         description="Run one GGUF model across several devices as a piped ring of layer "
                     "ranges, with speculative decoding built into the pipeline.",
@@ -579,6 +614,8 @@ def explain(exc: BaseException, args: argparse.Namespace) -> str | None:
             return (f"cannot listen on {host}: not an address of this host; use 0.0.0.0 (all "
                     f"interfaces) or one of this host's addresses")
         return f"not allowed to listen on port {port}: choose a port above 1023 with --port"
+    if isinstance(exc, OverflowError) and "port" in str(exc):
+        return f"{exc.args[0].rstrip('.')}: choose another with --port"
     if isinstance(exc, FileNotFoundError):
         return f"file not found: {exc.filename or exc}"
     if isinstance(exc, PermissionError):
