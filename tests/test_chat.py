@@ -373,3 +373,15 @@ def test_chat_with_a_running_server(real_model_path, tokenizer, tmp_path):
     assert stats["finish_reason"] == "stop"
     # The request went through the server's ring (its log shows the streamed POST).
     assert "POST /v1/chat/completions" in server.log()
+
+
+def test_banner_names_the_draft_model(real_model_path, tmp_path):
+    exe = str(Path(sys.executable).with_name("edgespec"))
+    env = dict(os.environ, OMP_WAIT_POLICY="passive", EDGESPEC_HOME=str(tmp_path))
+    proc = subprocess.run([exe, "chat", "--local", "2", "--model", str(real_model_path),
+                           "--draft", str(real_model_path), "--draft-quant", "none"],
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    banner = proc.stdout.splitlines()[0]
+    assert f"drafting with draft model {real_model_path.name}" in banner, banner
