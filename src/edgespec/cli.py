@@ -625,13 +625,16 @@ def explain(exc: BaseException, args: argparse.Namespace) -> str | None:
     if isinstance(exc, OSError) and exc.errno is not None:
         where = f": {exc.filename}" if exc.filename else ""
         return f"{exc.strerror or exc}{where}"
-    from .chat import ServerError
-    from .discovery import DiscoveryError
-    from .llamacpp import LlamaLoadError
-    from .transfer import TransferError
-
-    if isinstance(exc, (ServerError, DiscoveryError, LlamaLoadError, TransferError,
-                        ValueError)):
+    if isinstance(exc, ValueError):
+        return str(exc)
+    try:  # these pull in llama.cpp: the failure being explained may be that it cannot load
+        from .chat import ServerError
+        from .discovery import DiscoveryError
+        from .llamacpp import LlamaLoadError
+        from .transfer import TransferError
+    except ImportError:
+        return None
+    if isinstance(exc, (ServerError, DiscoveryError, LlamaLoadError, TransferError)):
         return str(exc)
     return None
 
