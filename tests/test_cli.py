@@ -130,6 +130,17 @@ def test_node_on_a_port_in_use(home):
     assert f"port {port}" in line and "already in use" in line and "--port" in line
 
 
+def test_serve_on_a_port_in_use_fails_before_starting_a_ring(home):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = run("serve", "--local", "2", "--port", str(port), env=home)
+    line = one_line_error(proc)
+    assert f"port {port} on 127.0.0.1 is already in use" in line and "--port" in line
+    assert "starting a local ring" not in proc.stdout + proc.stderr
+
+
 def test_unknown_model_and_missing_server(home, tmp_path):
     line = one_line_error(run("shard", str(tmp_path / "nope.gguf"), "--stages", "2",
                               "--out", str(tmp_path / "out"), env=home))

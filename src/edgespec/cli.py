@@ -457,9 +457,22 @@ def _add_chat(sub) -> None:
                    help="answer length limit (capped to the room left in the context)")
 
 
+def _check_port_free(host: str, port: int) -> None:
+    """Bind ``host:port`` once and let go: a taken port then fails in a second, not after the
+    ring has been brought up for a server that cannot listen."""
+    import socket
+
+    if port == 0:
+        return
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server will
+        s.bind((host, port))
+
+
 def _serve(args: argparse.Namespace) -> int:
     from .server import serve
 
+    _check_port_free(args.host, args.port)
     with _open_ring(args) as ring:
         serve(ring, args.served_name or ring.model_name, host=args.host, port=args.port,
               max_queue=args.max_queue)
