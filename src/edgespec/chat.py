@@ -264,9 +264,12 @@ _DRAFT_COPY = re.compile(r"^(?P<stem>.+)\.[0-9a-f]{12}\.(?P<quant>[a-z0-9_]+)\.g
 def drafter_label(ring: Ring) -> str:
     """What drafts for ``ring``, in words: the draft model's file, or retrieval."""
     info = getattr(ring, "drafter_info", None)
-    if info:
-        return str(info)
     drafter = getattr(ring, "drafter", None) or getattr(ring, "_drafter", None)
+    for described in (info, drafter):  # a description the ring gives of its drafter
+        if isinstance(described, str) and described:
+            return described
+        if isinstance(described, dict) and described:
+            return ", ".join(f"{k} {v}" for k, v in described.items() if v is not None)
     if drafter is None:
         return "no drafter"
     inner = getattr(drafter, "model", None)  # a hybrid drafter holds the model drafter
