@@ -89,12 +89,10 @@ class _NoticeHandler(logging.Handler):
     def __init__(self, screen: Screen, level: int) -> None:
         super().__init__(level)
         self.screen = screen
-        self.setFormatter(logging.Formatter("[%(levelname)s] %(message)s"))
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            self.screen.notice(self.format(record).replace("[WARNING]", "[warning]", 1)
-                               .replace("[ERROR]", "[error]", 1))
+            self.screen.notice(f"[{record.levelname.lower()}] {record.getMessage()}")
         except Exception:  # logging must never break the chat
             self.handleError(record)
 
@@ -185,10 +183,6 @@ def _isatty(stream: Any) -> bool:
 
 
 # -------------------------------------------------------------------------------- backends
-
-class Reply(Protocol):
-    text: str
-
 
 class Backend(Protocol):
     """What the chat loop talks to: a ring in this process, or a server."""
