@@ -385,3 +385,25 @@ def test_banner_names_the_draft_model(real_model_path, tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     banner = proc.stdout.splitlines()[0]
     assert f"drafting with draft model {real_model_path.name}" in banner, banner
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_terminating_the_chat_stops_its_local_ring(real_model_path, tmp_path, sig):
+    chat = _chat_in(tmp_path, real_model_path, "--local", "2")
+    nodes: list[int] = []
+    try:
+        chat.expect(PROMPT, timeout=180)
+        nodes = children(chat.pid)
+        assert len(nodes) == 2, nodes
+        os.kill(chat.pid, sig)  # a service manager, or the terminal window closing
+        code = chat.wait()
+        deadline = time.monotonic() + 30
+        while any(alive(p) for p in nodes) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(alive(p) for p in nodes), "node processes outlived the chat"
+        assert code == 128 + sig  # it ended through its own clean-up
+    finally:
+        chat.close()
+        for p in nodes:  # never leave node processes behind, even on failure
+            if alive(p):
+                os.kill(p, signal.SIGKILL)

@@ -404,8 +404,22 @@ def _open_ring(args: argparse.Namespace):
                       verbose=args.verbose, draft_quant=args.draft_quant)
 
 
+def _exit_on_hangup() -> None:
+    """SIGTERM and SIGHUP (a closed terminal window) end the command as Ctrl-C does: through
+    its ``with`` blocks, so a local ring's node processes are stopped, not left orphaned."""
+    import signal
+
+    def stop(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop)
+
+
 def _chat(args: argparse.Namespace) -> int:
     from .chat import run_chat, run_server_chat
+
+    _exit_on_hangup()
 
     if args.server:
         if args.local is not None:
@@ -495,6 +509,7 @@ def _add_serve(sub) -> None:
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
+    _exit_on_hangup()
     return run_demo(args)
 
 
