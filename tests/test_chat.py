@@ -9,13 +9,17 @@ both the session and the ring's node processes alive.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import pty
 import re
 import select
 import signal
+import struct
+import subprocess
 import sys
+import termios
 import time
 from pathlib import Path
 
@@ -42,6 +46,9 @@ class PtyProcess:
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # the child: become the command
             try:
+                # A wide terminal: readline on a dumb 80-column one scrolls long lines
+                # sideways, and the echo of a typed turn would not read as typed.
+                fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 250, 0, 0))
                 os.execve(argv[0], argv, env)
             finally:
                 os._exit(127)
@@ -232,3 +239,171 @@ def test_ctrl_c_stops_the_answer_and_keeps_the_session(tokenizer):
         assert not any(alive(p) for p in nodes), "node processes outlived the chat"
     finally:
         chat.close()
+
+
+def _chat_in(home: Path, model: Path, *args: str) -> PtyProcess:
+    """A chat on a local ring whose edgespec home (history file) is ``home``."""
+    env = dict(os.environ, OMP_WAIT_POLICY="passive", TERM="dumb", PYTHONUNBUFFERED="1",
+               EDGESPEC_HOME=str(home))
+    exe = str(Path(sys.executable).with_name("edgespec"))
+    return PtyProcess([exe, "chat", "--model", str(model), *args], env)
+
+
+def test_line_editing_history_and_help(real_model_path, tokenizer, tmp_path):
+    chat = _chat_in(tmp_path, real_model_path, "--local", "2", "--max-tokens", "8")
+    try:
+        chat.expect(PROMPT, timeout=180)
+        chat.send("/help\n")
+        listing = chat.expect(PROMPT)
+        for command in ("/help", "/reset", "/stats", "/exit"):
+            assert re.search(rf"\n  {command} +\w", listing), listing
+        # Type "helo", one step left, insert "l", Enter: readline sends "hello".
+        chat.send("helo")
+        chat.send("\x1b[D")
+        chat.send("l\r")
+        m = STATS_LINE.search(chat.expect(STATS_LINE))
+        chat.expect(PROMPT)
+        assert m is not None
+        assert int(m.group(3)) == len(tokenizer.chat_tokens([{"role": "user",
+                                                              "content": "hello"}]))
+        chat.send("/exit\n")
+        assert chat.wait() == 0
+    finally:
+        chat.close()
+    # The history file under the edgespec home keeps the edited line for the next session.
+    assert (tmp_path / "chat_history").read_text().splitlines() == ["/help", "hello", "/exit"]
+
+
+def test_a_ring_recovery_is_reported_outside_the_answer(real_model_path, tmp_path):
+    chat = _chat_in(tmp_path, real_model_path, "--local", "3", "--spec", "none",
+                    "--max-tokens", "200")
+    try:
+        chat.expect(PROMPT, timeout=180)
+        nodes = sorted(children(chat.pid))
+        assert len(nodes) == 3, nodes
+        request = "Write a Python function that checks whether a number is prime."
+        chat.send(request + "\n")
+        chat.expect(re.compile(re.escape(request) + r"\n.{20}", re.S))  # the answer streams
+        os.kill(nodes[1], signal.SIGKILL)  # the middle stage dies mid-answer
+        out = chat.expect(STATS_LINE, timeout=240)
+        chat.expect(PROMPT)
+        # Each notice is a line of its own: the answer text around it stays intact.
+        assert re.search(r"\n\[warning\] ring failure: [^\n]+\n", out), out
+        assert re.search(r"\n\[warning\] ring recovered in [\d.]+ s with 2 stage\(s\)\n",
+                         out), out
+        chat.send("/exit\n")
+        assert chat.wait() == 0
+    finally:
+        chat.close()
+
+
+def test_piped_chat_exits_non_zero_after_a_failed_answer(real_model_path, tmp_path):
+    long_turn = "Summarize: " + "the quick brown fox jumps over the lazy dog. " * 40
+    exe = str(Path(sys.executable).with_name("edgespec"))
+    env = dict(os.environ, OMP_WAIT_POLICY="passive", EDGESPEC_HOME=str(tmp_path))
+    proc = subprocess.run([exe, "chat", "--local", "2", "--model", str(real_model_path),
+                           "--ctx", "256", "--max-tokens", "8"],
+                          input=f"{long_turn}\nSay hi.\n", capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "(error: prompt (" in proc.stderr and "context" in proc.stderr  # one line, told
+    assert "Traceback" not in proc.stderr
+    assert STATS_LINE.search(proc.stdout)  # the chat went on to answer the next line
+
+
+class ServeProcess:
+    """`edgespec serve --local 2 --port 0`; its address comes from uvicorn's startup line."""
+
+    def __init__(self, tmp: Path, model: Path) -> None:
+        self.log_path = tmp / "serve.log"
+        env = dict(os.environ, OMP_WAIT_POLICY="passive", PYTHONUNBUFFERED="1",
+                   EDGESPEC_HOME=str(tmp))
+        exe = str(Path(sys.executable).with_name("edgespec"))
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen([exe, "serve", "--local", "2", "--port", "0",
+                                          "--model", str(model)],
+                                         stdout=log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 180
+        while True:
+            m = re.search(r"Uvicorn running on (http://[\d.]+:\d+)", self.log())
+            if m:
+                self.url = m.group(1)
+                break
+            assert self.proc.poll() is None, self.log()
+            assert time.monotonic() < deadline, self.log()
+            time.sleep(0.2)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        nodes = children(self.proc.pid)
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            for pid in nodes:
+                if alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+
+
+def test_chat_with_a_running_server(real_model_path, tokenizer, tmp_path):
+    server = ServeProcess(tmp_path, real_model_path)
+    try:
+        exe = str(Path(sys.executable).with_name("edgespec"))
+        proc = subprocess.run([exe, "chat", "--server", server.url, "--max-tokens", "40"],
+                              input=f"{TURN1}\n/stats\n", capture_output=True, text=True,
+                              timeout=300, env=dict(os.environ, EDGESPEC_HOME=str(tmp_path)))
+    finally:
+        server.stop()
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    assert f"on the server at {server.url}" in out
+    m = re.search(r"\n> (.*?)\n\[(\d+) tokens in [\d.]+ s: [\d.]+ tok/s, prompt (\d+) tokens",
+                  out, re.S)
+    assert m is not None, out
+    msgs = [{"role": "user", "content": TURN1}]
+    assert_greedy_answer(m.group(1), real_model_path, tokenizer, msgs, "answer via server")
+    assert int(m.group(3)) == len(tokenizer.chat_tokens(msgs))  # usage from the stream
+    stats = json.loads(out[out.index("{"): out.rindex("}") + 1])
+    assert stats["completion_tokens"] == int(m.group(2)) > 0
+    assert stats["finish_reason"] == "stop"
+    # The request went through the server's ring (its log shows the streamed POST).
+    assert "POST /v1/chat/completions" in server.log()
+
+
+def test_banner_names_the_draft_model(real_model_path, tmp_path):
+    exe = str(Path(sys.executable).with_name("edgespec"))
+    env = dict(os.environ, OMP_WAIT_POLICY="passive", EDGESPEC_HOME=str(tmp_path))
+    proc = subprocess.run([exe, "chat", "--local", "2", "--model", str(real_model_path),
+                           "--draft", str(real_model_path), "--draft-quant", "none"],
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    banner = proc.stdout.splitlines()[0]
+    assert f"drafting with draft model {real_model_path.name}" in banner, banner
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_terminating_the_chat_stops_its_local_ring(real_model_path, tmp_path, sig):
+    chat = _chat_in(tmp_path, real_model_path, "--local", "2")
+    nodes: list[int] = []
+    try:
+        chat.expect(PROMPT, timeout=180)
+        nodes = children(chat.pid)
+        assert len(nodes) == 2, nodes
+        os.kill(chat.pid, sig)  # a service manager, or the terminal window closing
+        code = chat.wait()
+        deadline = time.monotonic() + 30
+        while any(alive(p) for p in nodes) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(alive(p) for p in nodes), "node processes outlived the chat"
+        assert code == 128 + sig  # it ended through its own clean-up
+    finally:
+        chat.close()
+        for p in nodes:  # never leave node processes behind, even on failure
+            if alive(p):
+                os.kill(p, signal.SIGKILL)

@@ -7,7 +7,10 @@ a missing optional piece (say, a GPU build) only affects the commands that need 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 
 from . import __version__
@@ -25,17 +28,77 @@ Run `edgespec COMMAND --help` for the options of each command.
 """
 
 
-class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    pass
+class _Parser(argparse.ArgumentParser):
+    """A wrong argument gets one line that names the option and points to --help (instead
+    of the whole usage block)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"edgespec: {message} (see `{self.prog} --help`)\n")
+
+
+class _Formatter(argparse.HelpFormatter):
+    """Shows an option's default where it tells the user something: not for flags, not where
+    there is none (``None``: the help text says what happens instead), and not where the help
+    text already names it. Descriptions are wrapped to the terminal unless laid out by hand
+    (with line breaks, like the epilog's examples)."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if "\n" in text:
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        nothing = any(action.default is v for v in (None, False, argparse.SUPPRESS))
+        if (not action.option_strings or nothing or "%(default)" in text
+                or "default" in text.lower()):
+            return text
+        return text + " (default: %(default)s)"
+
+
+#: The smallest context a ring's stages accept: they hold up to 256 tree sequences.
+MIN_CTX = 256
+
+VERBOSE_HELP = "show tracebacks, debug logging and llama.cpp's own log output"
 
 
 def _add(sub, name: str, help_text: str, description: str | None = None,
          func: Callable[[argparse.Namespace], int] | None = None) -> argparse.ArgumentParser:
     p = sub.add_parser(name, help=help_text, description=description or help_text,
                        formatter_class=_Formatter)
+    # -v at every level (`edgespec -v ring up` and `edgespec ring up -v`); SUPPRESS keeps a
+    # sub-command from resetting what an outer level set.
+    p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                   help=VERBOSE_HELP)
     if func is not None:
         p.set_defaults(func=func)
     return p
+
+
+def _at_least(low: float, kind: type = int, why: str = "") -> Callable[[str], float]:
+    """An argparse type: a number of ``kind`` not below ``low`` (argparse names the option)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}{why}, got {text}")
+        return value
+
+    return parse
+
+
+def _set_help(parser: argparse.ArgumentParser, option: str, text: str) -> None:
+    """Replace the help of ``option`` (an option string, or a positional's name) where the
+    argument is defined outside this module."""
+    for action in parser._actions:
+        if option in action.option_strings or (not action.option_strings
+                                               and action.dest == option):
+            action.help = text
+            return
+    raise KeyError(option)
 
 
 # ----------------------------------------------------------------------------------- models
@@ -104,8 +167,13 @@ def _add_models(sub) -> None:
 # --------------------------------------------------------------------------- shard / keygen
 
 def _shard(args: argparse.Namespace) -> int:
+    from .models import resolve
     from .shard import run_shard_command
 
+    # Registry names work here as in every command (fetched into the cache if needed).
+    args.model = str(resolve(args.model))
+    if not sys.stderr.isatty():  # no \r progress updates in a log file
+        args.no_progress = True
     return run_shard_command(args)
 
 
@@ -118,6 +186,9 @@ def _add_shard(sub) -> None:
              "head; the first keeps the token embeddings, the last the real head. qwen2 and "
              "llama architectures are supported.", func=_shard)
     add_shard_arguments(p)
+    _set_help(p, "model", "registry name (e.g. qwen2.5-coder-0.5b) or path to a .gguf file")
+    _set_help(p, "--no-progress", "no progress bar (there is none when stderr is not a "
+              "terminal)")
 
 
 def _keygen(args: argparse.Namespace) -> int:
@@ -153,6 +224,8 @@ def _add_node(sub) -> None:
              "assigns, and passes hidden states straight to the next node. Stop it with "
              "Ctrl-C or SIGTERM.", func=_node)
     add_node_arguments(p)
+    _set_help(p, "--cache", "directory for the node's id, models and received shards "
+              "(default: $EDGESPEC_HOME, else ~/.cache/edgespec)")
 
 
 # ------------------------------------------------------------------------------------ ring
@@ -352,22 +425,37 @@ def _add_ring(sub) -> None:
 # ------------------------------------------------------------------------------- run a ring
 
 def _add_ring_choice(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="qwen2.5-coder-0.5b",
-                   help="model for a local ring (ignored when attaching to a ring that is up)")
-    p.add_argument("--local", type=int, default=None, metavar="N",
+    p.add_argument("--model", default="qwen2.5-coder-0.5b", action=_StoreGiven,
+                   help="registry name or .gguf path for a local ring (default: "
+                        "qwen2.5-coder-0.5b; a ring that is up keeps its own model, with a "
+                        "warning if it is another one)")
+    p.add_argument("--local", type=_at_least(1), default=None, metavar="N",
                    help="start a local ring of N node processes instead of attaching to the "
                         "ring that is up (default: attach if one is up, else N=2)")
     p.add_argument("--spec", choices=("auto", "none", "sync", "flow"), default="auto",
                    help="speculative decoding mode")
     p.add_argument("--draft", default=None,
-                   help="draft model (same tokenizer), e.g. qwen2.5-coder-0.5b for the 1.5B")
+                   help="draft model (same tokenizer), e.g. qwen2.5-coder-0.5b for the 1.5B; "
+                        "without one the head drafts by retrieval (n-grams of the prompt and "
+                        "answer so far)")
     p.add_argument("--draft-quant", choices=("q4_0", "none"), default="q4_0",
                    help="draft with a cached Q4_0 copy of the draft model (default; made once, "
                         "faster on CPUs, never changes the output) or with the file as given")
-    p.add_argument("--ctx", type=int, default=4096, help="context size")
+    p.add_argument("--ctx", type=_at_least(MIN_CTX, why=" (a speculation tree's sequences "
+                                                     "need that many KV cells)"),
+                   default=4096, help="context size (KV cells per stage) of a local ring")
     p.add_argument("--take-over", action="store_true",
                    help="attach even while another head holds the ring (its requests then "
                         "fail); without it a held ring is refused with the holder named")
+
+
+class _StoreGiven(argparse.Action):
+    """Stores the value and remembers that the user gave it (``<dest>_given``), so a command
+    can tell a choice from the default."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, values)
+        setattr(namespace, f"{self.dest}_given", True)
 
 
 def _open_ring(args: argparse.Namespace):
@@ -383,28 +471,89 @@ def _open_ring(args: argparse.Namespace):
                       verbose=args.verbose, draft_quant=args.draft_quant)
 
 
-def _chat(args: argparse.Namespace) -> int:
-    from .chat import run_chat
+def _exit_on_hangup() -> None:
+    """SIGTERM and SIGHUP (a closed terminal window) end the command as Ctrl-C does: through
+    its ``with`` blocks, so a local ring's node processes are stopped, not left orphaned."""
+    import signal
 
+    def stop(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop)
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from .chat import run_chat, run_server_chat
+
+    _exit_on_hangup()
+
+    if args.server:
+        if args.local is not None:
+            raise ValueError("--server talks to a running `edgespec serve`, --local N starts "
+                             "a ring of its own: give one of them")
+        return run_server_chat(args.server, api_key=args.api_key, system=args.system,
+                               temperature=args.temperature, max_tokens=args.max_tokens)
     with _open_ring(args) as ring:
+        _warn_other_model(args, ring)
         return run_chat(ring, system=args.system, temperature=args.temperature,
                         max_tokens=args.max_tokens, spec=args.spec)
+
+
+def _warn_other_model(args: argparse.Namespace, ring) -> None:
+    """``--model`` names the model of a local ring; a ring that is up keeps its own. Say so
+    when the user asked for another one instead of silently chatting with the wrong model."""
+    from pathlib import Path
+
+    from .models import REGISTRY
+
+    if not getattr(args, "model_given", False):
+        return
+    wanted = Path(REGISTRY[args.model].filename if args.model in REGISTRY else args.model).stem
+    if wanted != ring.model_name:
+        print(f"edgespec: warning: --model {args.model} ignored: the ring that is up runs "
+              f"{ring.model_name} (use --local N for a ring of your own, or `edgespec ring "
+              f"down` and `edgespec ring up --model {args.model}`)", file=sys.stderr)
 
 
 def _add_chat(sub) -> None:
     p = _add(sub, "chat", "chat with the model on the ring (streams tokens as accepted)",
              "Interactive chat. The model's own chat template is applied by llama.cpp; earlier "
              "turns stay in the ring's KV cache, so a new turn only processes its new tokens. "
-             "Commands: /reset, /stats, /exit. Ctrl-C stops the current answer.", func=_chat)
+             "On a terminal the line is edited with readline (arrow keys, history in "
+             "$EDGESPEC_HOME/chat_history). Commands: /help, /reset, /stats, /exit. Ctrl-C "
+             "stops the current answer. With --server URL it chats with a running `edgespec "
+             "serve` instead of taking the ring. Exits 1 if an answer failed (for scripts "
+             "that pipe questions in).", func=_chat)
     _add_ring_choice(p)
+    p.add_argument("--server", default=None, metavar="URL",
+                   help="chat with the `edgespec serve` at URL (e.g. http://127.0.0.1:8080) "
+                        "over its OpenAI API instead of holding the ring in this process")
+    p.add_argument("--api-key", default=None,
+                   help="bearer token for --server (default: $EDGESPEC_API_KEY, if set)")
     p.add_argument("--system", default=None, help="system prompt")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--max-tokens", type=int, default=512, help="answer length limit")
+    p.add_argument("--temperature", type=_at_least(0.0, float), default=0.0,
+                   help="0 = greedy")
+    p.add_argument("--max-tokens", type=_at_least(1), default=512,
+                   help="answer length limit (capped to the room left in the context)")
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Bind ``host:port`` once and let go: a taken port then fails in a second, not after the
+    ring has been brought up for a server that cannot listen."""
+    import socket
+
+    if port == 0:
+        return
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server will
+        s.bind((host, port))
 
 
 def _serve(args: argparse.Namespace) -> int:
     from .server import serve
 
+    _check_port_free(args.host, args.port)
     with _open_ring(args) as ring:
         serve(ring, args.served_name or ring.model_name, host=args.host, port=args.port,
               max_queue=args.max_queue)
@@ -420,12 +569,14 @@ def _add_serve(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8080, help="port to listen on")
     p.add_argument("--max-queue", type=int, default=16, help="requests allowed to wait")
-    p.add_argument("--served-name", default=None, help="model id reported to clients")
+    p.add_argument("--served-name", default=None,
+                   help="model id reported to clients (default: the model file's name)")
 
 
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
+    _exit_on_hangup()
     return run_demo(args)
 
 
@@ -433,17 +584,19 @@ def _add_demo(sub) -> None:
     p = _add(sub, "demo", "one-command local demo: fetch the default model, start a 2-node "
              "ring, stream an answer with speculation, print statistics", func=_demo)
     p.add_argument("--model", default="qwen2.5-coder-0.5b", help="registry name or .gguf path")
-    p.add_argument("--stages", type=int, default=2, help="node processes in the local ring")
+    p.add_argument("--stages", type=_at_least(1), default=2,
+                   help="node processes in the local ring")
     p.add_argument("--spec", choices=("auto", "none", "sync", "flow"), default="auto",
                    help="speculative decoding mode")
-    p.add_argument("--max-tokens", type=int, default=256, help="answer length")
-    p.add_argument("--prompt", default=None, help="your own prompt instead of the built-in one")
+    p.add_argument("--max-tokens", type=_at_least(1), default=256, help="answer length")
+    p.add_argument("--prompt", default=None,
+                   help="your own prompt (default: a short Python task)")
 
 
 # ------------------------------------------------------------------------------------ main
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="edgespec",
         description="Run one GGUF model across several devices as a piped ring of layer "
                     "ranges, with speculative decoding built into the pipeline.",
@@ -451,7 +604,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"edgespec {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true",
-                        help="show llama.cpp's own log output and debug logging")
+                        help=VERBOSE_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_models(sub)
     _add_shard(sub)
@@ -464,37 +617,143 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+LONG_RUNNING = ("node", "serve")  # commands whose log lines need timestamps
+
+
+class _PlainFormatter(logging.Formatter):
+    """Messages as they are for short commands; warnings and errors say so."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        if record.levelno >= logging.WARNING:
+            return f"{record.levelname.lower()}: {text}"
+        return text
+
+
+def _setup_logging(args: argparse.Namespace) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if args.command in LONG_RUNNING or args.verbose:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    else:
+        handler.setFormatter(_PlainFormatter("%(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+    # Debug output of our own loggers only: third-party libraries at DEBUG drown it.
+    logging.getLogger("edgespec").setLevel(logging.DEBUG if args.verbose else logging.INFO)
+
+
+def _address_of(exc: BaseException, args: argparse.Namespace) -> str:
+    """The host:port a failed connection was for: the innermost frame of the traceback that
+    had ``host`` and ``port`` (the transport's connect), else what the user gave."""
+    found = None
+    tb = exc.__traceback__
+    while tb is not None:
+        local = tb.tb_frame.f_locals
+        if "host" in local and "port" in local:
+            found = f"{local['host']}:{local['port']}"
+        tb = tb.tb_next
+    if found:
+        return found
+    nodes = getattr(args, "nodes", None)
+    if nodes and nodes != "auto":
+        return f"the node(s) {nodes}"
+    return "the node"
+
+
+def _key_hint(args: argparse.Namespace) -> str:
+    from .auth import default_key_path
+
+    key = getattr(args, "key_file", None) or default_key_path()
+    return (f"every member must hold the same ring key: copy {key} to that node and start it "
+            f"with `edgespec node --key-file PATH`")
+
+
+def explain(exc: BaseException, args: argparse.Namespace) -> str | None:
+    """One line for a failure the user can cause, naming what failed and the fix; None for
+    anything else (a bug: then the traceback matters)."""
+    import errno as _errno
+
+    from .auth import AuthError, KeyFileError
+    from .errors import RequestError
+    from .errors import RingError as _RingError
+    from .models import ModelError
+    from .ring import RingError as _RingStateError
+    from .shard import ShardError
+    from .transport import TransportError
+
+    cmd = args.command
+    if isinstance(exc, AuthError):
+        addr = _address_of(exc, args)
+        where = "" if addr in str(exc) else f"{addr}: "
+        return f"{where}{exc}: {_key_hint(args)}"
+    if isinstance(exc, (KeyFileError, ModelError, RequestError, ShardError, _RingError,
+                        _RingStateError)):
+        return str(exc)
+    if isinstance(exc, ConnectionRefusedError):
+        return (f"nothing accepts connections at {_address_of(exc, args)} (connection "
+                f"refused): start `edgespec node` there, or correct the address")
+    if isinstance(exc, TransportError):
+        return f"connection to {_address_of(exc, args)} failed: {exc}"
+    if isinstance(exc, TimeoutError):
+        return (f"{_address_of(exc, args)} did not answer in time: check the address, that "
+                f"the node runs, and the firewall")
+    if isinstance(exc, OSError) and exc.errno in (_errno.EADDRINUSE, _errno.EADDRNOTAVAIL,
+                                                  _errno.EACCES) and cmd in LONG_RUNNING:
+        host = getattr(args, "bind", None) or getattr(args, "host", "")
+        port = getattr(args, "port", "?")
+        if exc.errno == _errno.EADDRINUSE:
+            return (f"port {port} on {host} is already in use (another edgespec {cmd}?): stop "
+                    f"that process, or choose another port with --port")
+        if exc.errno == _errno.EADDRNOTAVAIL:
+            return (f"cannot listen on {host}: not an address of this host; use 0.0.0.0 (all "
+                    f"interfaces) or one of this host's addresses")
+        return f"not allowed to listen on port {port}: choose a port above 1023 with --port"
+    if isinstance(exc, OverflowError) and "port" in str(exc):
+        return f"{exc.args[0].rstrip('.')}: choose another with --port"
+    if isinstance(exc, FileNotFoundError):
+        return f"file not found: {exc.filename or exc}"
+    if isinstance(exc, PermissionError):
+        return f"permission denied: {exc.filename or exc}"
+    if isinstance(exc, ConnectionError):
+        return f"connection to {_address_of(exc, args)} failed: {exc}"
+    if isinstance(exc, OSError) and exc.errno is not None:
+        where = f": {exc.filename}" if exc.filename else ""
+        return f"{exc.strerror or exc}{where}"
+    if isinstance(exc, ValueError):
+        return str(exc)
+    try:  # these pull in llama.cpp: the failure being explained may be that it cannot load
+        from .chat import ServerError
+        from .discovery import DiscoveryError
+        from .llamacpp import LlamaLoadError
+        from .transfer import TransferError
+    except ImportError:
+        return None
+    if isinstance(exc, (ServerError, DiscoveryError, LlamaLoadError, TransferError)):
+        return str(exc)
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.verbose:
-        import logging
-        import os
-
         os.environ["EDGESPEC_VERBOSE"] = "1"
-        logging.basicConfig(level=logging.DEBUG)
-    else:
-        import logging
-
-        logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from .auth import KeyFileError
-    from .models import ModelError
-
+    _setup_logging(args)
     try:
         return int(args.func(args) or 0)
-    except (ModelError, KeyFileError) as exc:
-        print(f"edgespec: {exc}", file=sys.stderr)
-        return 2
-    except Exception as exc:
-        from .ring import RingError
-
-        if isinstance(exc, RingError):
-            print(f"edgespec: {exc}", file=sys.stderr)
-            return 1
-        raise
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:
+        if args.verbose:
+            traceback.print_exc()
+        line = explain(exc, args)
+        if line is None:
+            line = (f"unexpected error: {type(exc).__name__}: {exc}"
+                    + ("" if args.verbose else " (run with -v for the traceback)"))
+        print(f"edgespec: {line}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

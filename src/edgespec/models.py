@@ -27,6 +27,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+# Progress bars take ``disable=None`` when wanted: tqdm then draws them on a terminal only, so
+# a log file or pipe never collects carriage-return updates.
+
 CHUNK = 8 << 20  # copy/hash granularity; bounded memory whatever the model size
 
 
@@ -132,7 +135,7 @@ def _sha256_file(path: Path, progress: bool = False) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f, tqdm(
         total=path.stat().st_size, unit="B", unit_scale=True, desc=f"verify {path.name}",
-        disable=not progress, leave=False,
+        disable=None if progress else True, leave=False,
     ) as bar:
         while chunk := f.read(CHUNK):
             h.update(chunk)
@@ -274,7 +277,7 @@ def fetch(name: str, progress: bool = True, log: Callable[[str], None] | None = 
         with tempfile.TemporaryDirectory(prefix="edgespec-fetch-", dir=path.parent) as tmp, \
                 open(partial, "wb") as out, \
                 tqdm(total=spec.size, unit="B", unit_scale=True, desc=f"fetch {name}",
-                     disable=not progress) as bar:
+                     disable=None if progress else True) as bar:
             for part in spec.parts:
                 _copy_part(part, out, hasher, bar, Path(tmp))
             out.flush()

@@ -18,6 +18,9 @@ from typing import Any
 
 from tqdm import tqdm
 
+# Progress bars take ``disable=None`` when wanted: tqdm then draws them on a terminal only, so
+# a log file or pipe never collects carriage-return updates.
+
 CHUNK = 4 << 20  # bytes per frame: far below the frame cap, large enough to keep links busy
 
 
@@ -135,7 +138,7 @@ def send_shard(request: Request, path: str | os.PathLike[str], fingerprint: str,
     sent = 0
     with open(path, "rb") as f, tqdm(total=size, initial=offset, unit="B", unit_scale=True,
                                      desc=f"shard {start}:{stop} -> {name}",
-                                     disable=not progress) as bar:
+                                     disable=None if progress else True) as bar:
         f.seek(offset)
         while offset < size:
             data = f.read(chunk)
