@@ -103,7 +103,8 @@ def test_verbose_works_at_every_level_and_shows_the_traceback(home, tiny_model, 
     assert proc.returncode != 0
     assert "Traceback" in proc.stderr and "ConnectionRefusedError" in proc.stderr
     # The explanation still ends it.
-    assert proc.stderr.rstrip().splitlines()[-1].startswith("edgespec: nothing accepts")
+    last = proc.stderr.rstrip().splitlines()[-1]
+    assert last.startswith("edgespec: ") and f"127.0.0.1:{port}" in last, last
 
 
 def test_ring_up_against_a_node_with_another_key(home, tiny_model, tmp_path):

@@ -687,6 +687,8 @@ def explain(exc: BaseException, args: argparse.Namespace) -> str | None:
         addr = _address_of(exc, args)
         where = "" if addr in str(exc) else f"{addr}: "
         return f"{where}{exc}: {_key_hint(args)}"
+    if isinstance(exc, _RingError) and isinstance(exc.__cause__, AuthError):
+        return f"{exc}: {_key_hint(args)}"
     if isinstance(exc, (KeyFileError, ModelError, RequestError, ShardError, _RingError,
                         _RingStateError)):
         return str(exc)

@@ -87,8 +87,7 @@ def _dial(address: Address, key: bytes, head_id: str, timeout: float = CONNECT_T
     except AuthError as e:
         text = str(e)
         if "mismatch" in text:
-            raise RingError(f"node at {host}:{port} holds another ring key ({text}); copy this "
-                            f"head's key file to it (`edgespec node --key-file ...`)") from e
+            raise RingError(f"node at {host}:{port} holds another ring key ({text})") from e
         raise RingError(f"node at {host}:{port} failed the handshake: {text}") from e
     except ConnectionRefusedError as e:
         raise RingError(f"no node listening at {host}:{port} (connection refused): is "
