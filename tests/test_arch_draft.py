@@ -49,7 +49,7 @@ def test_refusal_is_one_line_on_the_command_line(tiny, tmp_path: Path) -> None:
         [sys.executable, "-m", "edgespec", "chat", "--model", str(tiny["qwen3moe"]), "--local", "2",
          "--draft", str(tiny["gemma3"]), "--draft-quant", "none"],
         capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
-    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.returncode != 0, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("edgespec:")]
     assert len(errors) == 1 and "different tokenizer" in errors[0] and "gemma3.gguf" in errors[0]

@@ -306,7 +306,7 @@ def test_piped_chat_exits_non_zero_after_a_failed_answer(real_model_path, tmp_pa
                           input=f"{long_turn}\nSay hi.\n", capture_output=True, text=True,
                           env=env, timeout=300)
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "(error: prompt (" in proc.stderr and "context" in proc.stderr  # one line, told
+    assert "(error: the prompt has" in proc.stderr and "context" in proc.stderr  # one line
     assert "Traceback" not in proc.stderr
     assert STATS_LINE.search(proc.stdout)  # the chat went on to answer the next line
 

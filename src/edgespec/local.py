@@ -120,6 +120,11 @@ def open_local_ring(cls, model: str | os.PathLike[str], stages: int, *, draft=No
 
     set_verbose(verbose)
     model_path = models.resolve(model)
+    if draft is not None and drafter != "retrieval":
+        # A draft of another family is refused before any node process starts.
+        from .spec.draft_model import check_draft_tokenizer
+
+        check_draft_tokenizer(models.resolve(draft), model_path)
     info = read_info(model_path)
     tok_model = load_model(model_path, vocab_only=True)
     tokenizer = Tokenizer(tok_model)

@@ -37,7 +37,7 @@ from .auth import AuthError
 from .chain import Batch, Result
 from .errors import NodeLost, RingBusy, RingError, StageFailure
 from .frames import batch_message, message_result
-from .planner import NodeProfile, Plan, PlanError, plan_ring
+from .planner import NodeProfile, Plan, PlanError, model_memory, plan_ring
 from .transport import Connection, TransportError, connect
 from .wire import FieldTag, Kind, KvOp, Message, control_message
 
@@ -383,7 +383,8 @@ def form_ring(addresses: Sequence[Address], model: str | os.PathLike[str], key: 
                             f"rounds")
         layer_bytes = max(1, model_path.stat().st_size // max(1, info.n_layer))
         try:
-            plan = plan_ring(info.n_layer, layer_bytes, profiles, rounds=rounds, ranges=ranges)
+            plan = plan_ring(info.n_layer, layer_bytes, profiles, rounds=rounds, ranges=ranges,
+                             memory=model_memory(model_path), n_ctx=n_ctx)
         except PlanError as e:
             raise RingError(f"cannot plan the ring: {e}") from e
         log_fn("ring plan:\n" + plan.table())
@@ -893,6 +894,10 @@ def up(cls, model: str | os.PathLike[str], nodes: str = "auto", *, key: str | No
 
     key_bytes = ensure_key(key)
     model_path = resolve(model)
+    if draft is not None:  # refuse a draft of another family before any node loads anything
+        from .spec.draft_model import check_draft_tokenizer
+
+        check_draft_tokenizer(resolve(draft), model_path)
     head = head_identity()
     addrs = discover(expect, timeout, key_bytes) if nodes == "auto" else parse_nodes(nodes)
     chain = form_ring(addrs, model_path, key_bytes, ranges=ranges, rounds=rounds, n_ctx=n_ctx,
