@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import select
 import socket
 import threading
 import time
@@ -100,11 +101,27 @@ def _until(deadline: float | None, sock: socket.socket) -> None:
     sock.settimeout(left)
 
 
+def _wait_readable(sock: socket.socket, deadline: float) -> None:
+    """Block until ``sock`` has data (or EOF) or ``deadline`` passes (TimeoutError).
+
+    Polling, not ``settimeout``: a socket timeout would also apply to another thread's
+    concurrent ``sendmsg`` on the same connection, and fail it for no reason.
+    """
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("deadline passed")
+    p = select.poll()
+    p.register(sock, select.POLLIN)
+    if not p.poll(left * 1000):
+        raise TimeoutError("deadline passed")
+
+
 def _recv_exact_into(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
     got = 0
     n = view.nbytes
     while got < n:
-        _until(deadline, sock)
+        if deadline is not None:
+            _wait_readable(sock, deadline)
         k = sock.recv_into(view[got:], n - got)
         if k == 0:
             raise TransportError("connection closed by peer" if got == 0 else "connection closed mid-frame")
@@ -253,14 +270,14 @@ class Connection:
         (forged, altered, replayed, reordered), TransportError when the peer is gone,
         TimeoutError after ``timeout`` seconds.
         """
-        self._sock.settimeout(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
             hv = memoryview(self._hdr)
-            _recv_exact_into(self._sock, hv)
+            _recv_exact_into(self._sock, hv, deadline)
             header = decode_header(hv, self.max_payload)
             # Payload and tag in one read: one system call fewer for small frames.
             body = bytearray(header.payload_len + self._recv_seal.overhead)
-            _recv_exact_into(self._sock, memoryview(body))
+            _recv_exact_into(self._sock, memoryview(body), deadline)
         except TimeoutError:
             raise TimeoutError(f"no frame from {self.peer_node} within {timeout} s") from None
         except OSError as e:
@@ -442,7 +459,7 @@ def connect(
         return Connection(sock, send, recv, local_node=node_id, peer_node=server_node, max_payload=max_payload)
     except TimeoutError:
         sock.close()
-        raise AuthError(f"{where}: handshake not completed within {timeout:g} s") from None
+        raise AuthError(f"{where}: handshake timed out after {timeout:g} s") from None
     except AuthError as e:
         sock.close()
         raise AuthError(f"{where}: {e}") from None
@@ -499,7 +516,7 @@ def accept_handshake(
             _send_plain(sock, error_message("auth", str(e)), time.monotonic() + 0.5)
         raise
     except TimeoutError:
-        raise AuthError(f"handshake not completed within {timeout:g} s") from None
+        raise AuthError(f"handshake timed out after {timeout:g} s") from None
     except (WireError, TransportError, OSError) as e:
         with contextlib.suppress(OSError, WireError, TimeoutError):
             _send_plain(sock, error_message("bad_frame", f"malformed handshake: {e}"), time.monotonic() + 0.5)
@@ -703,6 +720,7 @@ class FrameServer:
                     self._throttled.warning("pending", "%s: refusing %s: %d handshakes already under way", self.node_id, source, len(crowd))
                     return
                 victim.evicted = True
+                self._pending.discard(victim)  # its slot is free now, whenever its thread ends
                 self.evicted += 1
                 with contextlib.suppress(OSError):
                     victim.sock.shutdown(socket.SHUT_RDWR)
