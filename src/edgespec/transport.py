@@ -347,13 +347,19 @@ def _flat_meta(msg: Message) -> dict:
     meta = msg.meta
     for k, v in meta.items():
         if isinstance(v, (dict, list)):
-            raise WireError(f"handshake field {k!r} must be a plain value")
+            raise WireError(f"handshake field {_clip(k, 40)!r} must be a plain value")
     return meta
+
+
+def _clip(value: object, limit: int = 200) -> str:
+    """Peer-supplied text for one log line: printable characters only, bounded length."""
+    text = "".join(c if c.isprintable() else "?" for c in str(value)[: limit + 1])
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _refusal(header: FrameHeader, payload: bytes | bytearray | memoryview) -> str:
     """The reason in a plain ERROR frame received during the handshake."""
-    return str(decode_payload(header, payload).meta.get("message", "no reason given"))
+    return _clip(decode_payload(header, payload).meta.get("message", "no reason given"), 300)
 
 
 def _recv_plain(sock: socket.socket, expect: Kind, deadline: float) -> dict:
@@ -492,7 +498,7 @@ def accept_handshake(
     try:
         hello = _recv_plain(sock, Kind.HELLO, deadline)
         if hello.get("proto") != PROTOCOL_VERSION:
-            raise AuthError(f"peer speaks protocol {hello.get('proto')!r}, this node {PROTOCOL_VERSION}")
+            raise AuthError(f"peer speaks protocol {_clip(hello.get('proto'), 20)}, this node {PROTOCOL_VERSION}")
         nonce_c = _hex_field(hello, "nonce", auth.NONCE_SIZE)
         if not auth.verify_hello_tag(key, _hex_field(hello, "tag", auth.HELLO_TAG_SIZE), nonce_c):
             raise AuthError("ring key mismatch (the two ends hold different ring keys)")
