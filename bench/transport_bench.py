@@ -1,18 +1,25 @@
-"""Transport figures: per-hop overhead on loopback for a one-token message, and bytes per token
-per hop for float16 vs 8-bit activations with their quantization error.
+"""Transport figures: per-hop cost of sealed vs plaintext links on loopback for a one-token
+frame and a 64-row tree frame, and bytes per token per hop for float16 vs 8-bit activations
+with their quantization error.
 
-    .venv/bin/python bench/transport_bench.py [--laps 2000] [--model PATH]
+    .venv/bin/python bench/transport_bench.py [--laps 2000] [--rounds 4] [--model PATH]
 
-Per-hop overhead is measured side by side with bare TCP sockets doing the same ring on the same
-machine: ``overhead = edgespec hop - bare socket hop``. Two edgespec hop kinds are timed:
-"forward" (receive, verify MAC, re-MAC, send the same buffer; what a relay does) and
+Per-hop time is measured on a 4-hop ring (head -> 3 stages -> head) side by side with bare TCP
+sockets doing the same ring with the same frame sizes: ``overhead = edgespec hop - bare hop``.
+Each edgespec ring runs twice, sealed (ChaCha20-Poly1305, the default) and plaintext
+(``EDGESPEC_INSECURE_PLAINTEXT``, benchmarks only), in alternating rounds so that load from
+other users of the host hits both alike; ``sealing_cost_us`` is sealed minus plaintext. Two hop
+kinds are timed: "forward" (receive, open, re-seal, send; what a relay does) and
 "decode+encode" (full payload decode to float32 and re-encode; what a compute stage does,
-minus the compute). Prints one JSON object.
+minus the compute). ``aead_us`` is the bare cryptography cost of sealing and opening one frame
+of each size, without sockets, and ``open_copy_vs_in_place`` what decrypting in place would
+save over decrypting into a fresh payload buffer. Prints one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -27,9 +34,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import cryptography  # noqa: E402
+
 from edgespec import wire  # noqa: E402
+from edgespec.auth import SessionKeys  # noqa: E402
 from edgespec.transport import Connection, FrameServer, connect  # noqa: E402
-from edgespec.wire import HEADER_SIZE, MAC_SIZE, FieldTag, Kind, hidden_message, seq_matrix  # noqa: E402
+from edgespec.wire import HEADER_SIZE, TAG_SIZE, FieldTag, Kind, hidden_message, seq_matrix  # noqa: E402
 
 KEY = os.urandom(32)
 HOPS = 4  # head -> s0 -> s1 -> s2 -> head
@@ -40,8 +50,21 @@ def one_token(n_embd: int = 896, encoding: str = "f16") -> wire.Message:
     return hidden_message(h, [17], seq_matrix([[0]]), encoding=encoding)
 
 
-def frame_size(msg: wire.Message) -> int:
-    return HEADER_SIZE + len(wire.payload_bytes(msg)) + MAC_SIZE
+def tree_frame(rows: int = 64, n_embd: int = 896, encoding: str = "f16", leaves: int = 16) -> wire.Message:
+    """A verification batch as a middle stage sees it: ``rows`` tree nodes (token ids, parents,
+    positions, one sequence per leaf) with their hidden states."""
+    rng = np.random.default_rng(1)
+    parents = np.array([-1] + [int(rng.integers(0, i)) for i in range(1, rows)], np.int32)
+    depth = np.zeros(rows, np.int32)
+    for i in range(1, rows):
+        depth[i] = depth[parents[i]] + 1
+    seqs = [[i % leaves] for i in range(rows)]
+    h = rng.standard_normal((rows, n_embd)).astype(np.float32)
+    return hidden_message(h, 100 + depth, seq_matrix(seqs, leaves), encoding=encoding, tokens=rng.integers(0, 150000, rows), parents=parents)
+
+
+def frame_size(msg: wire.Message, sealed: bool = True) -> int:
+    return HEADER_SIZE + len(wire.payload_bytes(msg)) + (TAG_SIZE if sealed else 0)
 
 
 # ----------------------------------------------------------------------------- bare sockets
@@ -58,14 +81,15 @@ def bare_ring(frame_len: int, laps: int) -> list[float]:
     def relay(src: socket.socket, dst: socket.socket) -> None:
         buf = bytearray(frame_len)
         view = memoryview(buf)
-        while True:
-            got = 0
-            while got < frame_len:
-                k = src.recv_into(view[got:])
-                if k == 0:
-                    return
-                got += k
-            dst.sendall(buf)
+        with contextlib.suppress(OSError):  # the sockets close under it at the end
+            while True:
+                got = 0
+                while got < frame_len:
+                    k = src.recv_into(view[got:])
+                    if k == 0:
+                        return
+                    got += k
+                dst.sendall(buf)
 
     # head sends on outs[0]; stage i reads ins[i], writes outs[i+1]; head reads ins[HOPS-1].
     threads = [threading.Thread(target=relay, args=(ins[i], outs[i + 1]), daemon=True) for i in range(HOPS - 1)]
@@ -90,32 +114,32 @@ def bare_ring(frame_len: int, laps: int) -> list[float]:
 # ----------------------------------------------------------------------------- edgespec ring
 
 
-def edgespec_ring(msg: wire.Message, laps: int, decode: bool) -> list[float]:
-    """head -> 3 stages -> head with authenticated frames; the head times each lap."""
-    head = FrameServer(KEY, node_id="head")
+def edgespec_ring(msg: wire.Message, laps: int, decode: bool, seal: bool) -> list[float]:
+    """head -> 3 stages -> head with sealed (or plaintext) frames; the head times each lap."""
+    head = FrameServer(KEY, node_id="head", seal=seal)
     arrived = threading.Event()
     head.register(Kind.HIDDEN, lambda conn, frame: (frame.decode(), arrived.set())[1] if decode else arrived.set())
-    stages = [FrameServer(KEY, node_id=f"s{i}") for i in range(HOPS - 1)]
+    stages = [FrameServer(KEY, node_id=f"s{i}", seal=seal) for i in range(HOPS - 1)]
     links: list[Connection] = []
     head.start()
     for s in stages:
         s.start()
     nexts = [*stages[1:], head]
     for s, nxt in zip(stages, nexts, strict=True):
-        link = connect(*nxt.address, KEY, node_id=s.node_id)
+        link = connect(*nxt.address, KEY, node_id=s.node_id, seal=seal)
         links.append(link)
         if decode:
             # A compute stage: decode the hidden states to float32, build and encode a new frame.
             def handler(conn, frame, link=link):
                 m = frame.decode()
-                link.send(hidden_message(m[FieldTag.HIDDEN], m[FieldTag.POSITIONS], m[FieldTag.SEQ_IDS], encoding=m.hidden_encoding, lap_id=m.lap_id))
+                link.send(hidden_message(m[FieldTag.HIDDEN], m[FieldTag.POSITIONS], m[FieldTag.SEQ_IDS], encoding=m.hidden_encoding, tokens=m.fields.get(FieldTag.TOKENS), parents=m.fields.get(FieldTag.PARENTS), lap_id=m.lap_id))
         else:
 
             def handler(conn, frame, link=link):
                 link.forward(frame)
 
         s.register(Kind.HIDDEN, handler)
-    entry = connect(*stages[0].address, KEY, node_id="head")
+    entry = connect(*stages[0].address, KEY, node_id="head", seal=seal)
     times = []
     try:
         for lap in range(laps):
@@ -180,32 +204,101 @@ def sample_states(n_embd: int, model: Path | None) -> dict[str, np.ndarray]:
     return out
 
 
+def aead_us(msg: wire.Message, reps: int = 2000) -> float:
+    """Microseconds to seal and open one frame of ``msg`` (no sockets)."""
+    keys = SessionKeys.derive(KEY, b"c" * 32, b"s" * 32)
+    send, _ = keys.for_role("client")
+    _, recv = keys.for_role("server")
+    header, chunks = wire.encode_frame(msg)
+    chunks = [b"".join(bytes(c) for c in chunks)]
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        hb, body = send.seal(header, chunks)
+        recv.open(wire.decode_header(hb), hb, bytearray(body))
+    return round((time.perf_counter() - t0) / reps * 1e6, 2)
+
+
+def open_copy_vs_in_place(msg: wire.Message, reps: int = 2000) -> dict:
+    """Microseconds to open one sealed frame into a fresh buffer (what ``FrameSeal.open`` does)
+    vs decrypting in place over the received bytes (saves the allocation, but relies on the
+    cipher tolerating aliased buffers, which cryptography does not document)."""
+    from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+
+    aead = ChaCha20Poly1305(KEY)
+    data = b"".join(bytes(c) for c in wire.encode_frame(msg)[1])
+    nonce, aad = bytes(12), bytes(HEADER_SIZE)
+    sealed = aead.encrypt(nonce, data, aad)
+    n = len(data)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        body = bytearray(sealed)  # stands in for the receive buffer
+        aead.decrypt_into(nonce, body, aad, bytearray(n))
+    fresh = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        body = bytearray(sealed)
+        mv = memoryview(body)
+        aead.decrypt_into(nonce, mv, aad, mv[:n])
+    in_place = time.perf_counter() - t0
+    return {"fresh_buffer_us": round(fresh / reps * 1e6, 2), "in_place_us": round(in_place / reps * 1e6, 2)}
+
+
+def machine() -> dict:
+    model = platform.processor()
+    with contextlib.suppress(OSError):
+        model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("model name")), model)
+    return {
+        "host": platform.node(),
+        "cpu": model,
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cryptography": cryptography.__version__,
+        "load_avg_start": list(os.getloadavg()),
+    }
+
+
+def side_by_side(msg: wire.Message, laps: int, rounds: int) -> dict:
+    """Bare TCP, then sealed and plaintext rings in alternating rounds, per hop."""
+    runs: dict[str, list[float]] = {k: [] for k in ("sealed_forward", "plain_forward", "sealed_decode_encode", "plain_decode_encode")}
+    per_round = max(laps // rounds, 50)
+    for r in range(rounds):
+        order = (True, False) if r % 2 == 0 else (False, True)
+        for seal in order:
+            name = "sealed" if seal else "plain"
+            runs[f"{name}_forward"] += edgespec_ring(msg, per_round, decode=False, seal=seal)
+            runs[f"{name}_decode_encode"] += edgespec_ring(msg, per_round, decode=True, seal=seal)
+    bare = per_hop_us(bare_ring(frame_size(msg), per_round * rounds))
+    out: dict = {"frame_bytes_sealed": frame_size(msg), "frame_bytes_plain": frame_size(msg, sealed=False), "bare_tcp_us": bare}
+    for k, v in runs.items():
+        out[f"{k}_us"] = per_hop_us(v)
+    for kind in ("forward", "decode_encode"):
+        sealed, plain = out[f"sealed_{kind}_us"]["median"], out[f"plain_{kind}_us"]["median"]
+        out[f"sealing_cost_{kind}_us"] = round(sealed - plain, 1)
+        out[f"overhead_sealed_{kind}_us"] = round(sealed - bare["median"], 1)
+        out[f"overhead_plain_{kind}_us"] = round(plain - bare["median"], 1)
+    out["aead_seal_and_open_us"] = aead_us(msg)
+    out["open_copy_vs_in_place"] = open_copy_vs_in_place(msg)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--laps", type=int, default=2000)
+    ap.add_argument("--laps", type=int, default=2000, help="laps per ring kind, split over the rounds")
+    ap.add_argument("--rounds", type=int, default=4, help="alternating sealed/plaintext rounds")
     ap.add_argument("--model", type=Path, default=Path.home() / ".cache/edgespec/models/qwen2.5-coder-0.5b-instruct.gguf")
     args = ap.parse_args()
 
     report: dict = {
-        "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(), "processor": platform.processor()},
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "machine": machine(),
         "ring_hops": HOPS,
         "laps": args.laps,
+        "rounds": args.rounds,
     }
-    msg = one_token(896, "f16")
-    size = frame_size(msg)
-    bare = per_hop_us(bare_ring(size, args.laps))
-    fwd = per_hop_us(edgespec_ring(msg, args.laps, decode=False))
-    full = per_hop_us(edgespec_ring(one_token(896, "f16"), args.laps, decode=True))
-    report["one_token_hop"] = {
-        "message": "HIDDEN, 1 token, n_embd 896, f16",
-        "frame_bytes": size,
-        "bare_tcp_us": bare,
-        "edgespec_forward_us": fwd,
-        "edgespec_decode_encode_us": full,
-        "overhead_forward_us": round(fwd["median"] - bare["median"], 1),
-        "overhead_decode_encode_us": round(full["median"] - bare["median"], 1),
-        "target_us": 300,
-    }
+    report["one_token_hop"] = {"message": "HIDDEN, 1 token, n_embd 896, f16", **side_by_side(one_token(896, "f16"), args.laps, args.rounds)}
+    report["tree64_hop"] = {"message": "HIDDEN, 64-row tree (token ids, parents, 16 leaf sequences), n_embd 896, f16", **side_by_side(tree_frame(64, 896, "f16"), args.laps, args.rounds)}
+    report["machine"]["load_avg_end"] = list(os.getloadavg())
 
     sizes = {}
     for n_embd in (896, 1536):

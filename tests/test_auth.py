@@ -1,4 +1,4 @@
-"""Ring key files, handshake proofs, session keys and per-frame MACs."""
+"""Ring key files, handshake proofs, session keys and sealed frames."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from edgespec import auth
-from edgespec.auth import AuthError, FrameMac, KeyFileError, SessionKeys
-from edgespec.wire import FrameHeader, Kind
+from edgespec.auth import AuthError, KeyFileError, SessionKeys
+from edgespec.wire import FrameHeader, Kind, decode_header
 
 
 def test_keygen_writes_private_key_and_refuses_to_overwrite(tmp_path: Path) -> None:
@@ -53,58 +53,68 @@ def test_ensure_key_creates_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert auth.ensure_key() == k1
 
 
-def test_proofs_are_bound_to_role_nonces_and_key() -> None:
+def test_proofs_are_bound_to_role_nonces_key_and_sealing() -> None:
     k, other = bytes(range(32)), bytes(32)
     nc, ns = auth.new_nonce(), auth.new_nonce()
-    p = auth.proof(k, "client", nc, ns, "a", "b")
-    assert auth.verify_proof(k, "client", p, nc, ns, "a", "b")
-    assert not auth.verify_proof(k, "server", p, nc, ns, "a", "b")  # no reflection
-    assert not auth.verify_proof(k, "client", p, nc, auth.new_nonce(), "a", "b")  # no replay
-    assert not auth.verify_proof(k, "client", p, nc, ns, "a", "c")
-    assert not auth.verify_proof(other, "client", p, nc, ns, "a", "b")
-    # Length prefixes: moving a byte between node ids changes the transcript.
-    assert auth.proof(k, "client", nc, ns, "ab", "c") != auth.proof(k, "client", nc, ns, "a", "bc")
+    p = auth.proof(k, "client", nc, ns)
+    assert auth.verify_proof(k, "client", p, nc, ns)
+    assert not auth.verify_proof(k, "server", p, nc, ns)  # no reflection
+    assert not auth.verify_proof(k, "client", p, nc, auth.new_nonce())  # no replay
+    assert not auth.verify_proof(k, "client", p, nc, ns, sealed=False)  # no downgrade
+    assert not auth.verify_proof(other, "client", p, nc, ns)
+    # Length prefixes: moving a byte between the nonces changes the transcript.
+    assert auth.transcript(nc + b"x", ns, True) != auth.transcript(nc, b"x" + ns, True)
+    # The HELLO tag shows which key a peer holds, fresh per nonce: no fixed fingerprint.
+    t = auth.hello_tag(k, nc)
+    assert auth.verify_hello_tag(k, t, nc) and not auth.verify_hello_tag(other, t, nc)
+    assert auth.hello_tag(k, ns) != t
     assert auth.key_id(k) != auth.key_id(other)
     assert auth.key_id(k) not in k.hex()
 
 
-def _frame(seq: int) -> tuple[FrameHeader, bytes]:
-    h = FrameHeader(Kind.CLOSE, 0, 0, 0, 0, seq, 3)
-    return h, h.pack()
+def _seal(direction, payload: bytes) -> tuple[FrameHeader, bytes, bytearray]:
+    """Seal a CLOSE frame carrying ``payload``: (header as sent, header bytes, ciphertext+tag)."""
+    hb, body = direction.seal(FrameHeader(Kind.CLOSE, 0, 0, 0, 0, 0, len(payload)), [payload[:1], payload[1:]])
+    return decode_header(hb), hb, bytearray(body)
 
 
-def test_frame_mac_refuses_forgery_replay_and_reordering() -> None:
+def test_sealed_frames_refuse_forgery_replay_and_reordering() -> None:
     keys = SessionKeys.derive(bytes(range(32)), b"c" * 32, b"s" * 32)
     c_send, c_recv = keys.for_role("client")
     s_send, s_recv = keys.for_role("server")
     assert keys.client_to_server != keys.server_to_client
-    frames = []
-    for _ in range(3):
-        h, hb = _frame(c_send.next_seq())
-        frames.append((h, hb, b"abc", c_send.sign(hb, [b"a", b"bc"])))
-    h, hb, payload, mac = frames[0]
-    s_recv.verify(h, hb, payload, mac)
+    frames = [_seal(c_send, b"abc") for _ in range(3)]
+    assert all(b"abc" not in bytes(body) for _, _, body in frames)  # encrypted
+    h, hb, body = frames[0]
+    assert bytes(s_recv.open(h, hb, body)) == b"abc"
     with pytest.raises(AuthError, match="sequence"):  # replay of frame 0
-        s_recv.verify(h, hb, payload, mac)
-    h2, hb2, p2, mac2 = frames[2]
+        s_recv.open(h, hb, body)
+    h2, hb2, body2 = frames[2]
     with pytest.raises(AuthError, match="sequence"):  # frame 1 skipped
-        s_recv.verify(h2, hb2, p2, mac2)
-    h1, hb1, p1, mac1 = frames[1]
-    with pytest.raises(AuthError, match="MAC"):  # altered payload
-        s_recv.verify(h1, hb1, b"abd", mac1)
-    with pytest.raises(AuthError, match="MAC"):  # reflected back in the other direction
-        c_recv.verify(h, hb, payload, mac)
-    s_recv.verify(h1, hb1, p1, mac1)
-    s_recv.verify(h2, hb2, p2, mac2)
-    # A frame signed with a session key of another connection is refused.
+        s_recv.open(h2, hb2, body2)
+    h1, hb1, body1 = frames[1]
+    altered = bytearray(body1)
+    altered[1] ^= 1
+    with pytest.raises(AuthError, match="authentication failed"):  # altered payload
+        s_recv.open(h1, hb1, altered)
+    with pytest.raises(AuthError, match="authentication failed"):  # altered header
+        s_recv.open(h1, hb1[:8] + b"\1" + hb1[9:], body1)
+    with pytest.raises(AuthError, match="authentication failed"):  # reflected back
+        c_recv.open(h, hb, body)
+    assert bytes(s_recv.open(h1, hb1, body1)) == b"abc"
+    assert bytes(s_recv.open(h2, hb2, body2)) == b"abc"
+    # A frame sealed with a session key of another connection is refused.
     other = SessionKeys.derive(bytes(range(32)), b"x" * 32, b"s" * 32).for_role("client")[0]
-    h3, hb3 = _frame(other.next_seq())
-    with pytest.raises(AuthError, match="MAC"):
-        FrameMac(keys.client_to_server).verify(h3, hb3, b"abc", other.sign(hb3, [b"abc"]))
+    h3, hb3, body3 = _seal(other, b"abc")
+    with pytest.raises(AuthError, match="authentication failed"):
+        SessionKeys.derive(bytes(range(32)), b"c" * 32, b"s" * 32).for_role("server")[1].open(h3, hb3, body3)
+    # Sealing off: the same sequence checks, no encryption.
+    plain_send, _ = SessionKeys.derive(bytes(range(32)), b"c" * 32, b"s" * 32, sealed=False).for_role("client")
+    assert b"".join(bytes(x) for x in plain_send.seal(h, [b"abc"])).endswith(b"abc")
 
 
 def test_bad_key_sizes_are_refused() -> None:
     with pytest.raises(AuthError):
-        auth.proof(b"short", "client", b"", b"", "", "")
+        auth.proof(b"short", "client", b"", b"")
     with pytest.raises(ValueError):
-        auth.proof(bytes(32), "admin", b"", b"", "", "")
+        auth.proof(bytes(32), "admin", b"", b"")

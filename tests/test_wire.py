@@ -210,3 +210,20 @@ def test_seq_matrix_rejects_ids_outside_width() -> None:
         seq_matrix([[0, 5]], n_seq=4)
     with pytest.raises(WireError):
         seq_matrix([[-1]])
+
+
+def _meta_payload(raw: bytes) -> bytes:
+    n = len(raw)
+    return bytes([FieldTag.META, wire.Encoding.JSON, 1, 0]) + struct.pack("<I", n) + raw + b"\0" * (-n % 4)
+
+
+def test_deeply_nested_json_is_a_wire_error_not_a_recursion_error() -> None:
+    for body in (b"[" * 100_000, b'{"a":' * 5000 + b"1" + b"}" * 5000):
+        payload = _meta_payload(body)
+        with pytest.raises(WireError, match="nested deeper"):
+            wire.decode_payload(FrameHeader(Kind.CONTROL, 0, 0, 0, 0, 0, len(payload)), payload)
+    # Brackets inside strings do not count, and ordinary nesting decodes.
+    ok = b'{"op":"load","s":"' + b"[" * 500 + b'","links":{"1":{"host":"a","ports":[[1,2],[3]]}}}'
+    payload = _meta_payload(ok)
+    msg = wire.decode_payload(FrameHeader(Kind.CONTROL, 0, 0, 0, 0, 0, len(payload)), payload)
+    assert msg.meta["links"]["1"]["ports"] == [[1, 2], [3]] and len(msg.meta["s"]) == 500

@@ -1,4 +1,4 @@
-"""Authenticated, framed TCP connections between ring members, and a frame-dispatching server.
+"""Authenticated, sealed, framed TCP connections between ring members, and a frame server.
 
 Blocking sockets with one thread per connection, not asyncio, on purpose:
 
@@ -9,15 +9,24 @@ Blocking sockets with one thread per connection, not asyncio, on purpose:
 - A ring has few links (one inbound, one outbound per stage, plus control), so a thread each is
   cheap.
 
-Minimal copies: a received payload lands once in a ``bytearray`` (``recv_into``), numeric fields
-decode as numpy views of it, and ``Connection.forward`` re-sends the same buffer to the next
-ring member with a new header and MAC (``sendmsg`` scatter/gather, no concatenation). Only the
-MAC must be recomputed per link, because each connection has its own session key.
+Copies: a received frame lands once in a ``bytearray`` (``recv_into``) and is decrypted once
+into the payload buffer; numeric fields decode as numpy views of it. ``Connection.forward``
+re-seals that buffer for the next ring member without decoding it (each link has its own
+session keys). Sends go out with ``sendmsg`` scatter/gather: header and ciphertext, or, with
+sealing off, header and the payload chunks as they are.
+
+Listener limits (``FrameServer``): the whole server side of a handshake has one deadline;
+connections that have not yet proved the ring key have their own small cap, in total and per
+source address, apart from the cap on members, so unauthenticated sockets can never crowd a
+member out: when the cap is reached, the oldest connection that has not even shown a valid key
+tag is dropped for the newcomer. Accepting survives transient errors (out of file descriptors,
+memory, buffers) with a logged back-off and ends only when the server closes.
 
 Error policy of ``FrameServer``: a frame that cannot be parsed (bad magic/version/size) or fails
-its MAC/sequence check loses the stream's framing or trust, so the server answers ERROR and
-closes that connection; a well-framed frame with a bad payload, an unknown kind or a failing
-handler gets an ERROR reply and the connection goes on. Other connections are never affected.
+to open (tag/sequence check) loses the stream's framing or trust, so the server answers ERROR
+and closes that connection; a well-framed frame with a bad payload, an unknown kind or a
+failing handler gets an ERROR reply and the connection goes on. Other connections are never
+affected.
 """
 
 from __future__ import annotations
@@ -25,18 +34,19 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import select
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from edgespec import auth
-from edgespec.auth import AuthError, FrameMac, SessionKeys
+from edgespec.auth import AuthError, ClearFrames, FrameSeal, SessionKeys
 from edgespec.wire import (
     DEFAULT_MAX_PAYLOAD,
     HANDSHAKE_MAX_PAYLOAD,
     HEADER_SIZE,
-    MAC_SIZE,
     PROTOCOL_VERSION,
     FieldTag,
     Flag,
@@ -52,7 +62,15 @@ from edgespec.wire import (
 
 log = logging.getLogger("edgespec.transport")
 
+#: Seconds a peer has to complete the whole handshake, server side (one deadline, not per read).
 DEFAULT_HANDSHAKE_TIMEOUT = 5.0
+#: Connections still in their handshake: at most this many in total and per source address.
+DEFAULT_MAX_PENDING = 16
+DEFAULT_MAX_PENDING_PER_SOURCE = 4
+#: Authenticated connections a server keeps at once.
+DEFAULT_MAX_CONNECTIONS = 64
+_MAX_NODE_ID = 256
+_ACCEPT_BACKOFF_MAX = 1.0
 
 
 class TransportError(ConnectionError):
@@ -73,21 +91,49 @@ def _set_nodelay(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-def _recv_exact_into(sock: socket.socket, view: memoryview) -> None:
+def _until(deadline: float | None, sock: socket.socket) -> None:
+    """Let the next socket call wait at most until ``deadline`` (a ``time.monotonic`` value)."""
+    if deadline is None:
+        return
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("deadline passed")
+    sock.settimeout(left)
+
+
+def _wait_readable(sock: socket.socket, deadline: float) -> None:
+    """Block until ``sock`` has data (or EOF) or ``deadline`` passes (TimeoutError).
+
+    Polling, not ``settimeout``: a socket timeout would also apply to another thread's
+    concurrent ``sendmsg`` on the same connection, and fail it for no reason.
+    """
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("deadline passed")
+    p = select.poll()
+    p.register(sock, select.POLLIN)
+    if not p.poll(left * 1000):
+        raise TimeoutError("deadline passed")
+
+
+def _recv_exact_into(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
     got = 0
     n = view.nbytes
     while got < n:
+        if deadline is not None:
+            _wait_readable(sock, deadline)
         k = sock.recv_into(view[got:], n - got)
         if k == 0:
             raise TransportError("connection closed by peer" if got == 0 else "connection closed mid-frame")
         got += k
 
 
-def _sendmsg_all(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> None:
+def _sendmsg_all(sock: socket.socket, buffers: Sequence[bytes | memoryview], deadline: float | None = None) -> None:
     """``sendall`` for a list of buffers (scatter/gather, no joining)."""
     views = [memoryview(b).cast("B") for b in buffers]
     views = [v for v in views if v.nbytes]
     while views:
+        _until(deadline, sock)
         sent = sock.sendmsg(views)
         while sent:
             if sent >= views[0].nbytes:
@@ -100,7 +146,7 @@ def _sendmsg_all(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> 
 
 @dataclass
 class Frame:
-    """An authenticated frame as received: header and the raw payload buffer.
+    """An authenticated frame as received: header and the decrypted payload buffer.
 
     ``decode()`` parses the payload on demand (and caches it), so a node that only forwards a
     frame never decodes its hidden states.
@@ -127,16 +173,17 @@ class Connection:
     def __init__(
         self,
         sock: socket.socket,
-        send_mac: FrameMac,
-        recv_mac: FrameMac,
+        send_seal: FrameSeal | ClearFrames,
+        recv_seal: FrameSeal | ClearFrames,
         *,
         local_node: str,
         peer_node: str,
         max_payload: int = DEFAULT_MAX_PAYLOAD,
     ) -> None:
         self._sock = sock
-        self._send_mac = send_mac
-        self._recv_mac = recv_mac
+        self._send_seal = send_seal
+        self._recv_seal = recv_seal
+        self.sealed = isinstance(send_seal, FrameSeal)
         self._send_lock = threading.Lock()
         self._hdr = bytearray(HEADER_SIZE)
         self._closed = False
@@ -169,15 +216,14 @@ class Connection:
         with self._send_lock:
             if self._closed:
                 raise TransportError(f"{self!r} is closed")
-            hb = header._replace(seq=self._send_mac.next_seq()).pack()
-            mac = self._send_mac.sign(hb, chunks)
+            buffers = self._send_seal.seal(header, chunks)
             try:
-                _sendmsg_all(self._sock, [hb, *chunks, mac])
+                _sendmsg_all(self._sock, buffers)
             except OSError as e:
                 raise TransportError(f"send to {self.peer_node} failed: {e}") from e
 
     def send(self, msg: Message) -> None:
-        """Encode, authenticate and send a message."""
+        """Encode, seal and send a message."""
         header, chunks = encode_frame(msg)
         self._send_chunks(header, chunks)
 
@@ -193,8 +239,8 @@ class Connection:
     ) -> None:
         """Send a received frame on, unchanged except for the given header fields.
 
-        The payload buffer is reused as it is (no decode, no copy); only the header and the
-        MAC are made anew for this connection.
+        The payload is not decoded; it is sealed anew under this connection's key (each link
+        has its own session keys), or, unsealed, sent from the same buffer without a copy.
         """
         h = frame.header
         header = FrameHeader(
@@ -218,29 +264,27 @@ class Connection:
     # -- receiving ---------------------------------------------------------------------
 
     def recv_frame(self, timeout: float | None = None) -> Frame:
-        """Read one frame and check its MAC and sequence number.
+        """Read one frame, check its sequence number and tag, and decrypt it.
 
-        Raises WireError for an unparseable header, AuthError for a bad MAC or sequence,
-        TransportError when the peer is gone, TimeoutError after ``timeout`` seconds.
+        Raises WireError for an unparseable header, AuthError for a frame that fails to open
+        (forged, altered, replayed, reordered), TransportError when the peer is gone,
+        TimeoutError after ``timeout`` seconds.
         """
-        self._sock.settimeout(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
             hv = memoryview(self._hdr)
-            _recv_exact_into(self._sock, hv)
+            _recv_exact_into(self._sock, hv, deadline)
             header = decode_header(hv, self.max_payload)
-            # Payload and MAC in one read: one system call fewer for small frames.
-            buf = bytearray(header.payload_len + MAC_SIZE)
-            bv = memoryview(buf)
-            _recv_exact_into(self._sock, bv)
+            # Payload and tag in one read: one system call fewer for small frames.
+            body = bytearray(header.payload_len + self._recv_seal.overhead)
+            _recv_exact_into(self._sock, memoryview(body), deadline)
         except TimeoutError:
             raise TimeoutError(f"no frame from {self.peer_node} within {timeout} s") from None
         except OSError as e:
             if isinstance(e, TransportError):
                 raise
             raise TransportError(f"receive from {self.peer_node} failed: {e}") from e
-        payload = bv[: header.payload_len]
-        self._recv_mac.verify(header, hv, payload, bv[header.payload_len :])
-        return Frame(header, payload)
+        return Frame(header, self._recv_seal.open(header, hv, body))
 
     def recv(self, timeout: float | None = None) -> Message:
         """Read and decode one message."""
@@ -288,23 +332,72 @@ class Connection:
 # --------------------------------------------------------------------------- handshake
 
 
-def _send_plain(sock: socket.socket, msg: Message) -> None:
+def _send_plain(sock: socket.socket, msg: Message, deadline: float | None = None) -> None:
     header, chunks = encode_frame(msg)
-    _sendmsg_all(sock, [header.pack(), *chunks])
+    _sendmsg_all(sock, [header.pack(), *chunks], deadline)
 
 
-def _recv_plain(sock: socket.socket, expect: Kind) -> Message:
+def _send_sealed(sock: socket.socket, seal: FrameSeal | ClearFrames, msg: Message, deadline: float) -> None:
+    header, chunks = encode_frame(msg)
+    _sendmsg_all(sock, seal.seal(header, chunks), deadline)
+
+
+def _flat_meta(msg: Message) -> dict:
+    """A handshake body: a JSON object of plain values only."""
+    meta = msg.meta
+    for k, v in meta.items():
+        if isinstance(v, (dict, list)):
+            raise WireError(f"handshake field {_clip(k, 40)!r} must be a plain value")
+    return meta
+
+
+def _clip(value: object, limit: int = 200) -> str:
+    """Peer-supplied text for one log line: printable characters only, bounded length."""
+    text = "".join(c if c.isprintable() else "?" for c in str(value)[: limit + 1])
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _refusal(header: FrameHeader, payload: bytes | bytearray | memoryview) -> str:
+    """The reason in a plain ERROR frame received during the handshake."""
+    return _clip(decode_payload(header, payload).meta.get("message", "no reason given"), 300)
+
+
+def _recv_plain(sock: socket.socket, expect: Kind, deadline: float) -> dict:
+    """A handshake frame sent before the key proofs: size-capped, flat JSON body."""
     hb = bytearray(HEADER_SIZE)
-    _recv_exact_into(sock, memoryview(hb))
+    _recv_exact_into(sock, memoryview(hb), deadline)
     header = decode_header(hb, HANDSHAKE_MAX_PAYLOAD)
     payload = bytearray(header.payload_len)
-    _recv_exact_into(sock, memoryview(payload))
-    msg = decode_payload(header, payload)
-    if msg.kind == Kind.ERROR and expect != Kind.ERROR:
-        raise AuthError(f"peer refused: {msg.meta.get('message', msg.meta)}")
-    if msg.kind != expect:
-        raise AuthError(f"handshake expected {expect.name}, got {msg.kind.name}")
-    return msg
+    _recv_exact_into(sock, memoryview(payload), deadline)
+    if header.kind == Kind.ERROR:
+        raise AuthError(f"refused: {_refusal(header, payload)}")
+    if header.kind != expect:
+        raise AuthError(f"handshake expected {expect.name}, got {header.kind.name}")
+    return _flat_meta(decode_payload(header, payload))
+
+
+def _recv_sealed(sock: socket.socket, seal: FrameSeal | ClearFrames, expect: Kind, deadline: float, forged: str) -> dict:
+    """The first sealed frame of one direction (AUTH or WELCOME); a refusal comes plain.
+
+    A frame that fails to open raises AuthError(``forged``).
+    """
+    hb = bytearray(HEADER_SIZE)
+    hv = memoryview(hb)
+    _recv_exact_into(sock, hv, deadline)
+    header = decode_header(hb, HANDSHAKE_MAX_PAYLOAD)
+    if header.kind == Kind.ERROR:
+        payload = bytearray(header.payload_len)
+        _recv_exact_into(sock, memoryview(payload), deadline)
+        raise AuthError(f"refused: {_refusal(header, payload)}")
+    body = bytearray(header.payload_len + seal.overhead)
+    _recv_exact_into(sock, memoryview(body), deadline)
+    try:
+        payload = seal.open(header, hv, body)
+    except AuthError:
+        raise AuthError(forged) from None
+    if header.kind != expect:
+        raise AuthError(f"handshake expected {expect.name}, got {header.kind.name}")
+    return _flat_meta(decode_payload(header, payload))
 
 
 def _hex_field(meta: dict, name: str, size: int) -> bytes:
@@ -317,6 +410,17 @@ def _hex_field(meta: dict, name: str, size: int) -> bytes:
     return raw
 
 
+def _node_field(meta: dict) -> str:
+    node = meta.get("node")
+    if not isinstance(node, str) or not node or len(node) > _MAX_NODE_ID:
+        raise AuthError(f"handshake field 'node' must be a string of 1..{_MAX_NODE_ID} characters")
+    return node
+
+
+def _sealing_word(on: bool) -> str:
+    return "on" if on else f"off ({auth.INSECURE_ENV})"
+
+
 def connect(
     host: str,
     port: int,
@@ -325,39 +429,49 @@ def connect(
     node_id: str,
     timeout: float = 10.0,
     max_payload: int = DEFAULT_MAX_PAYLOAD,
+    seal: bool | None = None,
 ) -> Connection:
-    """Open an authenticated connection to a ring member (client side of the handshake).
+    """Open an authenticated, sealed connection to a ring member (client side).
 
-    Raises AuthError if the server refuses us or cannot prove it holds the ring key.
+    ``timeout`` is one deadline for the TCP connect and the whole handshake together: a peer
+    that answers slowly, byte by byte, still fails in time. Raises AuthError (naming
+    ``host:port``) if the server refuses us, cannot prove it holds the ring key, or does not
+    finish the handshake in time; OSError if it cannot be reached. ``seal`` defaults to on
+    unless ``$EDGESPEC_INSECURE_PLAINTEXT`` is set; both ends must agree.
     """
-    sock = socket.create_connection((host, port), timeout=timeout)
+    auth._check_key(key)
+    sealed = auth.sealing_enabled() if seal is None else seal
+    where = f"{host}:{port}"
+    deadline = time.monotonic() + timeout
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except TimeoutError:
+        raise TimeoutError(f"connecting to {where} timed out after {timeout:g} s") from None
     try:
         _set_nodelay(sock)
         nonce_c = auth.new_nonce()
-        _send_plain(
-            sock,
-            Message(Kind.HELLO, {FieldTag.META: {"proto": PROTOCOL_VERSION, "node": node_id, "key_id": auth.key_id(key), "nonce": nonce_c.hex()}}),
-        )
-        ch = _recv_plain(sock, Kind.CHALLENGE).meta
+        hello = {"proto": PROTOCOL_VERSION, "nonce": nonce_c.hex(), "tag": auth.hello_tag(key, nonce_c).hex(), "sealed": sealed}
+        _send_plain(sock, Message(Kind.HELLO, {FieldTag.META: hello}), deadline)
+        ch = _recv_plain(sock, Kind.CHALLENGE, deadline)
         nonce_s = _hex_field(ch, "nonce", auth.NONCE_SIZE)
-        server_node = str(ch.get("node", ""))
-        proof_s = _hex_field(ch, "proof", 32)
-        if not auth.verify_proof(key, "server", proof_s, nonce_c, nonce_s, node_id, server_node):
-            raise AuthError(f"{host}:{port} ({server_node or '?'}) could not prove it holds our ring key; not joining")
-        _send_plain(
-            sock,
-            Message(Kind.AUTH, {FieldTag.META: {"proof": auth.proof(key, "client", nonce_c, nonce_s, node_id, server_node).hex()}}),
-        )
-        _recv_plain(sock, Kind.WELCOME)
+        if not auth.verify_proof(key, "server", _hex_field(ch, "proof", 32), nonce_c, nonce_s, sealed):
+            raise AuthError("could not prove it holds our ring key; not joining")
+        send, recv = SessionKeys.derive(key, nonce_c, nonce_s, sealed).for_role("client")
+        proof_c = auth.proof(key, "client", nonce_c, nonce_s, sealed).hex()
+        _send_sealed(sock, send, Message(Kind.AUTH, {FieldTag.META: {"proof": proof_c, "node": node_id}}), deadline)
+        welcome = _recv_sealed(sock, recv, Kind.WELCOME, deadline, "its WELCOME failed to open (not sealed under our ring key)")
+        server_node = _node_field(welcome)
         sock.settimeout(None)
-        send_mac, recv_mac = SessionKeys.derive(key, nonce_c, nonce_s).for_role("client")
-        return Connection(sock, send_mac, recv_mac, local_node=node_id, peer_node=server_node, max_payload=max_payload)
+        return Connection(sock, send, recv, local_node=node_id, peer_node=server_node, max_payload=max_payload)
     except TimeoutError:
         sock.close()
-        raise AuthError(f"handshake with {host}:{port} timed out") from None
-    except (WireError, TransportError) as e:
+        raise AuthError(f"{where}: handshake timed out after {timeout:g} s") from None
+    except AuthError as e:
         sock.close()
-        raise AuthError(f"handshake with {host}:{port} failed: {e}") from e
+        raise AuthError(f"{where}: {e}") from None
+    except (WireError, TransportError, OSError) as e:
+        sock.close()
+        raise AuthError(f"{where}: handshake failed: {e}") from e
     except BaseException:
         sock.close()
         raise
@@ -370,45 +484,51 @@ def accept_handshake(
     node_id: str,
     timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
     max_payload: int = DEFAULT_MAX_PAYLOAD,
+    seal: bool | None = None,
+    on_keyed: Callable[[], None] | None = None,
 ) -> Connection:
-    """Server side of the handshake on an accepted socket; raises AuthError on refusal
-    (after telling the peer why)."""
-    sock.settimeout(timeout)
+    """Server side of the handshake on an accepted socket, all within ``timeout`` seconds.
+
+    Raises AuthError on refusal, after telling the peer why in words that name nothing about
+    this node. ``on_keyed`` is called once the client's HELLO shows it holds our key.
+    """
+    sealed = auth.sealing_enabled() if seal is None else seal
+    deadline = time.monotonic() + timeout
     _set_nodelay(sock)
     try:
-        hello = _recv_plain(sock, Kind.HELLO).meta
-        client_node = str(hello.get("node", ""))
+        hello = _recv_plain(sock, Kind.HELLO, deadline)
         if hello.get("proto") != PROTOCOL_VERSION:
-            raise AuthError(f"peer speaks protocol {hello.get('proto')!r}, we speak {PROTOCOL_VERSION}")
+            raise AuthError(f"peer speaks protocol {_clip(hello.get('proto'), 20)}, this node {PROTOCOL_VERSION}")
         nonce_c = _hex_field(hello, "nonce", auth.NONCE_SIZE)
-        ours = auth.key_id(key)
-        if hello.get("key_id") != ours:
-            raise AuthError(f"ring key mismatch: peer key id {hello.get('key_id')!r}, ours {ours!r}")
+        if not auth.verify_hello_tag(key, _hex_field(hello, "tag", auth.HELLO_TAG_SIZE), nonce_c):
+            raise AuthError("ring key mismatch (the two ends hold different ring keys)")
+        if on_keyed is not None:
+            on_keyed()
+        theirs = hello.get("sealed")
+        if theirs is not sealed:
+            raise AuthError(f"sealing mismatch: peer {_sealing_word(bool(theirs))}, this node {_sealing_word(sealed)}; set it alike on every member")
         nonce_s = auth.new_nonce()
-        _send_plain(
-            sock,
-            Message(
-                Kind.CHALLENGE,
-                {FieldTag.META: {"node": node_id, "nonce": nonce_s.hex(), "proof": auth.proof(key, "server", nonce_c, nonce_s, client_node, node_id).hex()}},
-            ),
-        )
-        proof_c = _hex_field(_recv_plain(sock, Kind.AUTH).meta, "proof", 32)
-        if not auth.verify_proof(key, "client", proof_c, nonce_c, nonce_s, client_node, node_id):
-            raise AuthError("bad key proof (peer does not hold the ring key)")
-        _send_plain(sock, Message(Kind.WELCOME, {FieldTag.META: {"node": node_id}}))
+        challenge = {"nonce": nonce_s.hex(), "proof": auth.proof(key, "server", nonce_c, nonce_s, sealed).hex()}
+        _send_plain(sock, Message(Kind.CHALLENGE, {FieldTag.META: challenge}), deadline)
+        send, recv = SessionKeys.derive(key, nonce_c, nonce_s, sealed).for_role("server")
+        bad_proof = "bad key proof (peer does not hold the ring key)"
+        auth_meta = _recv_sealed(sock, recv, Kind.AUTH, deadline, bad_proof)
+        if not auth.verify_proof(key, "client", _hex_field(auth_meta, "proof", 32), nonce_c, nonce_s, sealed):
+            raise AuthError(bad_proof)
+        client_node = _node_field(auth_meta)
+        _send_sealed(sock, send, Message(Kind.WELCOME, {FieldTag.META: {"node": node_id}}), deadline)
     except AuthError as e:
-        with contextlib.suppress(OSError, WireError):
-            _send_plain(sock, error_message("auth", f"refused by {node_id}: {e}"))
+        with contextlib.suppress(OSError, WireError, TimeoutError):
+            _send_plain(sock, error_message("auth", str(e)), time.monotonic() + 0.5)
         raise
     except TimeoutError:
-        raise AuthError(f"handshake timed out after {timeout} s") from None
+        raise AuthError(f"handshake timed out after {timeout:g} s") from None
     except (WireError, TransportError, OSError) as e:
-        with contextlib.suppress(OSError, WireError):
-            _send_plain(sock, error_message("bad_frame", f"malformed handshake: {e}"))
+        with contextlib.suppress(OSError, WireError, TimeoutError):
+            _send_plain(sock, error_message("bad_frame", f"malformed handshake: {e}"), time.monotonic() + 0.5)
         raise AuthError(f"malformed handshake: {e}") from e
     sock.settimeout(None)
-    send_mac, recv_mac = SessionKeys.derive(key, nonce_c, nonce_s).for_role("server")
-    return Connection(sock, send_mac, recv_mac, local_node=node_id, peer_node=client_node, max_payload=max_payload)
+    return Connection(sock, send, recv, local_node=node_id, peer_node=client_node, max_payload=max_payload)
 
 
 # --------------------------------------------------------------------------- server
@@ -416,6 +536,39 @@ def accept_handshake(
 #: A handler gets the connection and the frame; it may return a message to send back
 #: (its request id defaults to the frame's) or None.
 Handler = Callable[[Connection, Frame], "Message | None"]
+
+
+class _Pending:
+    """A connection in its handshake: where from, since when, whether its HELLO showed our key."""
+
+    __slots__ = ("sock", "source", "since", "keyed", "evicted")
+
+    def __init__(self, sock: socket.socket, source: str) -> None:
+        self.sock = sock
+        self.source = source
+        self.since = time.monotonic()
+        self.keyed = False
+        self.evicted = False
+
+
+class _Throttled:
+    """At most one log line per ``interval`` seconds per topic, with a count of those held back."""
+
+    def __init__(self, interval: float = 10.0) -> None:
+        self.interval = interval
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def warning(self, topic: str, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last.get(topic, -1e9) < self.interval:
+                self._held[topic] = self._held.get(topic, 0) + 1
+                return
+            self._last[topic] = now
+            held = self._held.pop(topic, 0)
+        log.warning(msg + (f" ({held} more like this since the last report)" if held else ""), *args)
 
 
 class FrameServer:
@@ -436,7 +589,10 @@ class FrameServer:
         handlers: dict[Kind, Handler] | None = None,
         max_payload: int = DEFAULT_MAX_PAYLOAD,
         handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
-        max_connections: int = 64,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        max_pending: int = DEFAULT_MAX_PENDING,
+        max_pending_per_source: int = DEFAULT_MAX_PENDING_PER_SOURCE,
+        seal: bool | None = None,
         on_disconnect: Callable[[Connection], None] | None = None,
     ) -> None:
         auth._check_key(key)
@@ -445,6 +601,9 @@ class FrameServer:
         self.max_payload = max_payload
         self.handshake_timeout = handshake_timeout
         self.max_connections = max_connections
+        self.max_pending = max(1, max_pending)
+        self.max_pending_per_source = max(1, min(max_pending_per_source, self.max_pending))
+        self.sealed = auth.sealing_enabled() if seal is None else seal
         self.on_disconnect = on_disconnect
         self._handlers: dict[Kind, Handler] = {}
         for k, h in (handlers or {}).items():
@@ -453,14 +612,19 @@ class FrameServer:
         self._listener = socket.socket(family, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._listener.bind((host, port))
-        self._listener.listen(16)
+        self._listener.listen(128)
         self._lock = threading.Lock()
         self._conns: set[Connection] = set()
+        self._pending: set[_Pending] = set()
         self._threads: set[threading.Thread] = set()
         self._accept_thread: threading.Thread | None = None
         self._stopping = threading.Event()
+        self._throttled = _Throttled()
         self.refused = 0  # peers refused at the handshake
+        self.evicted = 0  # handshakes dropped to make room under the pending caps
         self.errors = 0  # ERROR replies sent for bad frames / failed handlers
+        self.accept_errors = 0  # failed accept() calls (out of descriptors, memory, ...)
+
 
     @property
     def address(self) -> tuple[str, int]:
@@ -472,6 +636,12 @@ class FrameServer:
         """The live authenticated connections."""
         with self._lock:
             return list(self._conns)
+
+    @property
+    def pending(self) -> int:
+        """Connections still in their handshake."""
+        with self._lock:
+            return len(self._pending)
 
     def register(self, kind: Kind, handler: Handler) -> None:
         """Handle frames of ``kind`` with ``handler`` (replacing any previous one)."""
@@ -501,6 +671,11 @@ class FrameServer:
         with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
+        with self._lock:
+            pending = list(self._pending)
+        for p in pending:
+            with contextlib.suppress(OSError):
+                p.sock.shutdown(socket.SHUT_RDWR)
         for c in self.connections:
             c.close("server shutting down")
         threads = [self._accept_thread] if self._accept_thread else []
@@ -510,35 +685,97 @@ class FrameServer:
             if t is not threading.current_thread():
                 t.join(timeout)
 
+    # -- accepting ---------------------------------------------------------------------
+
     def _accept_loop(self) -> None:
+        backoff = 0.0
         while not self._stopping.is_set():
             try:
                 sock, addr = self._listener.accept()
-            except OSError:
-                break  # listener closed
-            with self._lock:
-                busy = len(self._threads) >= self.max_connections
-            if busy:
-                log.warning("%s: refusing %s:%d: %d connections already open", self.node_id, addr[0], addr[1], self.max_connections)
-                sock.close()
+            except OSError as e:
+                if self._stopping.is_set():
+                    break  # the listener was closed
+                # EMFILE/ENFILE (out of descriptors), ENOBUFS/ENOMEM, ECONNABORTED...: the
+                # condition passes once connections close; back off instead of spinning.
+                self.accept_errors += 1
+                backoff = min(max(2 * backoff, 0.01), _ACCEPT_BACKOFF_MAX)
+                self._throttled.warning("accept", "%s: accept failed: %s; retrying (back-off %.2f s)", self.node_id, e, backoff)
+                self._stopping.wait(backoff)
                 continue
-            t = threading.Thread(target=self._serve_socket, args=(sock, addr), name=f"edgespec-conn-{addr[0]}:{addr[1]}", daemon=True)
-            with self._lock:
-                self._threads.add(t)
-            t.start()
+            backoff = 0.0
+            try:
+                self._admit(sock, addr)
+            except Exception as e:  # e.g. no thread could be started: drop this one, keep going
+                self._throttled.warning("admit", "%s: could not take connection from %s: %s", self.node_id, addr[0], e)
+                sock.close()
 
-    def _serve_socket(self, sock: socket.socket, addr: tuple) -> None:
+    def _admit(self, sock: socket.socket, addr: tuple) -> None:
+        """Start the handshake of a new connection within the pending caps."""
+        source = addr[0]
+        with self._lock:
+            mine = [p for p in self._pending if p.source == source]
+            crowd = mine if len(mine) >= self.max_pending_per_source else list(self._pending) if len(self._pending) >= self.max_pending else []
+            if crowd:
+                # Make room by dropping the oldest connection that has not even shown a valid
+                # key tag; if every one has, the newcomer waits its turn (it is refused).
+                idle = [p for p in crowd if not p.keyed]
+                victim = min(idle, key=lambda p: p.since) if idle else None
+                if victim is None:
+                    self.refused += 1
+                    sock.close()
+                    self._throttled.warning("pending", "%s: refusing %s: %d handshakes already under way", self.node_id, source, len(crowd))
+                    return
+                victim.evicted = True
+                self._pending.discard(victim)  # its slot is free now, whenever its thread ends
+                self.evicted += 1
+                with contextlib.suppress(OSError):
+                    victim.sock.shutdown(socket.SHUT_RDWR)
+                self._throttled.warning("evict", "%s: dropped an unfinished handshake from %s to make room (cap %d per source, %d in total)", self.node_id, victim.source, self.max_pending_per_source, self.max_pending)
+            entry = _Pending(sock, source)
+            self._pending.add(entry)
+            t = threading.Thread(target=self._serve_socket, args=(entry, addr), name=f"edgespec-conn-{addr[0]}:{addr[1]}", daemon=True)
+            self._threads.add(t)
+        try:
+            t.start()
+        except BaseException:
+            with self._lock:
+                self._pending.discard(entry)
+                self._threads.discard(t)
+            raise
+
+    def _keyed(self, entry: _Pending) -> None:
+        with self._lock:
+            entry.keyed = True
+
+    def _serve_socket(self, entry: _Pending, addr: tuple) -> None:
+        sock = entry.sock
         try:
             try:
-                conn = accept_handshake(sock, self._key, node_id=self.node_id, timeout=self.handshake_timeout, max_payload=self.max_payload)
-            except AuthError as e:
-                log.warning("%s: refused peer %s:%d: %s", self.node_id, addr[0], addr[1], e)
-                self.refused += 1
+                conn = accept_handshake(sock, self._key, node_id=self.node_id, timeout=self.handshake_timeout, max_payload=self.max_payload, seal=self.sealed, on_keyed=lambda: self._keyed(entry))
+            except Exception as e:  # AuthError, or anything unforeseen: one line, no traceback
+                with self._lock:
+                    self._pending.discard(entry)
+                    if not entry.evicted:
+                        self.refused += 1
+                if entry.evicted:
+                    log.debug("%s: dropped unfinished handshake of %s:%d", self.node_id, addr[0], addr[1])
+                else:
+                    why = str(e) if isinstance(e, AuthError) else f"{type(e).__name__}: {e}"
+                    log.warning("%s: refused peer %s:%d: %s", self.node_id, addr[0], addr[1], why)
                 sock.close()
                 return
-            log.info("%s: authenticated peer %s at %s:%d", self.node_id, conn.peer_node, addr[0], addr[1])
             with self._lock:
-                self._conns.add(conn)
+                self._pending.discard(entry)
+                full = entry.evicted or len(self._conns) >= self.max_connections
+                if not full:
+                    self._conns.add(conn)
+            if full:
+                if not entry.evicted:
+                    log.warning("%s: refusing %s at %s:%d: %d connections already open", self.node_id, conn.peer_node, addr[0], addr[1], self.max_connections)
+                    conn.reply_error("busy", f"the node already serves {self.max_connections} connections")
+                conn.close()
+                return
+            log.info("%s: authenticated peer %s at %s:%d", self.node_id, conn.peer_node, addr[0], addr[1])
             try:
                 self._serve(conn)
             finally:

@@ -2,7 +2,12 @@
 
 A frame on a TCP stream is::
 
-    header (32 bytes) | payload (payload_len bytes) | MAC (16 bytes, after the handshake)
+    header (32 bytes) | payload (payload_len bytes) | tag (16 bytes, sealed frames only)
+
+Before the handshake's key proofs (HELLO, CHALLENGE, refusals) frames are plain. From AUTH on,
+the payload travels encrypted and the 16-byte AEAD tag follows it (``edgespec.auth``); the
+header stays readable, because the receiver needs it to frame the stream, but it is covered
+by the tag, so it cannot be altered either.
 
 Header, little-endian (``HEADER``)::
 
@@ -14,7 +19,7 @@ Header, little-endian (``HEADER``)::
     8  I   request id   (pairs a reply with its request; 0 = none)
     12 I   lap id       (one pass of the ring)
     16 I   segment id   (FlowSpec segment inside a lap)
-    20 Q   sequence number (per direction of one connection; covered by the MAC)
+    20 Q   sequence number (per direction of one connection; the AEAD nonce of a sealed frame)
     28 I   payload length
 
 The payload is a sequence of *fields*. Each field is::
@@ -25,8 +30,9 @@ The payload is a sequence of *fields*. Each field is::
 The data length follows from the encoding and the dims, so a corrupted size can never make the
 reader run past the payload. Each frame kind has a schema (required / allowed fields, their
 encodings and ranks) and related fields must agree on the token count; anything else raises
-``WireError``. The MAC trailer is computed by ``edgespec.auth`` over header and payload; this
-module only knows its size.
+``WireError``. The tag is computed by ``edgespec.auth`` over header and payload; this module
+only knows its size. JSON fields are bounded in nesting depth (``MAX_JSON_DEPTH``), so a
+hostile body is a ``WireError``, never a ``RecursionError``.
 
 Hidden states travel as float16 by default (``Encoding.F16``), optionally float32 (exact) or
 8-bit blockwise (``Encoding.Q8``: blocks of 32 values along the last axis, one float16 scale per
@@ -37,6 +43,7 @@ because that is what ``llama_batch.embd`` takes.
 from __future__ import annotations
 
 import json
+import re
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -45,16 +52,20 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-PROTOCOL_VERSION = 1
+#: 2: sealed frames (AEAD instead of a MAC), node ids exchanged only after the key proofs.
+PROTOCOL_VERSION = 2
 MAGIC = b"eS"
 HEADER = struct.Struct("<2sBBHHIIIQI")
 HEADER_SIZE = HEADER.size  # 32
-MAC_SIZE = 16
+TAG_SIZE = 16
 #: Default cap on one frame's payload. Large enough for 256 tokens x 16384 float32 hidden
 #: values; shard transfers go in chunks well below it.
 DEFAULT_MAX_PAYLOAD = 64 * 1024 * 1024
 #: Cap on frames exchanged before authentication (handshake bodies are a few hundred bytes).
 HANDSHAKE_MAX_PAYLOAD = 4096
+#: Deepest nesting of arrays/objects a JSON field may have. Control bodies nest two or three
+#: levels; the cap keeps json.loads far from Python's recursion limit.
+MAX_JSON_DEPTH = 32
 Q8_BLOCK = 32
 _U32_MAX = 0xFFFFFFFF
 _FIELD_HEAD = struct.Struct("<BBBB")
@@ -68,10 +79,10 @@ class WireError(ValueError):
 class Kind(IntEnum):
     """What a frame is. Handshake kinds travel before authentication, all others after."""
 
-    HELLO = 1  # client -> server: protocol, node id, client nonce
+    HELLO = 1  # client -> server: protocol, client nonce, key tag, sealing on/off
     CHALLENGE = 2  # server -> client: server nonce + server proof
-    AUTH = 3  # client -> server: client proof
-    WELCOME = 4  # server -> client: accepted
+    AUTH = 3  # client -> server, first sealed frame: client proof + client node id
+    WELCOME = 4  # server -> client, sealed: accepted + server node id
     ERROR = 8  # either way: {"code", "message"}; answers a bad frame or a failed request
     CLOSE = 9  # either way: orderly goodbye
     CONTROL = 16  # {"op": load|profile|health|shutdown|...}, optional blob (shard chunks)
@@ -356,12 +367,36 @@ def _encode_data(tag: FieldTag, enc: Encoding, value: Any) -> tuple[tuple[int, .
     raise WireError(f"{tag.name}: cannot encode with {enc!r}")
 
 
+# A JSON string (escapes included) or one bracket: what nesting depth is made of.
+_JSON_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]')
+
+
+def check_json_depth(raw: bytes, limit: int, what: str = "JSON") -> None:
+    """Raise WireError if ``raw`` nests arrays/objects deeper than ``limit``.
+
+    Brackets inside strings do not count. Bodies with few brackets skip the scan.
+    """
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return
+    depth = 0
+    for m in _JSON_TOKEN.finditer(raw):
+        c = m.group()
+        if c in (b"[", b"{"):
+            depth += 1
+            if depth > limit:
+                raise WireError(f"{what}: JSON nested deeper than {limit} levels")
+        elif c in (b"]", b"}"):
+            depth -= 1
+
+
 def _decode_data(tag: FieldTag, enc: Encoding, shape: tuple[int, ...], data: memoryview) -> Any:
     if enc == Encoding.JSON:
+        raw = bytes(data)
+        check_json_depth(raw, MAX_JSON_DEPTH, tag.name)
         try:
-            obj = json.loads(bytes(data).decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise WireError(f"{tag.name}: invalid JSON: {e}") from None
+            obj = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            raise WireError(f"{tag.name}: invalid JSON: {type(e).__name__}: {e}") from None
         if not isinstance(obj, dict):
             raise WireError(f"{tag.name}: JSON body must be an object")
         return obj
