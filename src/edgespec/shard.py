@@ -38,6 +38,7 @@ import os
 import re
 import struct
 import sys
+import threading
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -163,6 +164,12 @@ class Manifest:
             d = json.loads(Path(path).read_text())
             shards = [ShardFile(s["file"], (int(s["range"][0]), int(s["range"][1])), s["role"],
                                 int(s["bytes"]), s["sha256"]) for s in d["shards"]]
+            for s in shards:
+                # A manifest names files beside it, nothing else: no folders, no "..", no
+                # absolute paths (which would load a file without its sha256 check).
+                if (not isinstance(s.file, str) or Path(s.file).name != s.file
+                        or s.file in (".", "..") or "\\" in s.file):
+                    raise ValueError(f"shard file name {s.file!r} is not a plain file name")
             return cls(source=d["source"], fingerprint=d["fingerprint"], architecture=d["architecture"],
                        n_layer=int(d["n_layer"]), n_embd=int(d["n_embd"]), n_vocab=int(d["n_vocab"]),
                        ranges=[(int(a), int(b)) for a, b in d["ranges"]], shards=shards,
@@ -797,7 +804,9 @@ def _write_window(h: _Header, out_path: Path, arch: str, n_layer: int, n_vocab: 
         rel += t.nbytes + (-t.nbytes % align)
     header += b"\0" * (-len(header) % align)
 
-    tmp = out_path.with_name(out_path.name + ".part")
+    # A name of this writer's own: two processes cutting the same window at once (two heads,
+    # or a node and a head on one host) must not write into each other's file.
+    tmp = out_path.with_name(f"{out_path.name}.part{os.getpid()}-{threading.get_ident()}")
     try:
         with open(tmp, "wb") as fout, open(h.path, "rb") as fsrc:
             fout.write(header)

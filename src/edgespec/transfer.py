@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,9 @@ class ShardStore:
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        # The ``.part`` file is shared on purpose (a resumed transfer continues it), so two
+        # heads sending one shard at once take turns here rather than interleave appends.
+        self._lock = threading.RLock()
 
     def path_for(self, fingerprint: str, start: int, stop: int) -> Path:
         if not fingerprint.isalnum():
@@ -105,6 +109,11 @@ class ShardStore:
 
 def handle(store: ShardStore, meta: dict, blob: bytes | None) -> dict:
     """Serve the ``shard_status`` / ``shard_chunk`` / ``shard_finish`` control ops."""
+    with store._lock:
+        return _handle(store, meta, blob)
+
+
+def _handle(store: ShardStore, meta: dict, blob: bytes | None) -> dict:
     op = meta.get("op")
     fp, a, b = str(meta["fingerprint"]), int(meta["start"]), int(meta["stop"])
     if op == "shard_status":
