@@ -17,7 +17,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from tinygguf import make_tiny_gguf, min_vocab
+from tinygguf import make_bare_gguf, make_tiny_gguf, min_vocab
 
 from edgespec import llamacpp
 from edgespec.shard import (
@@ -189,22 +189,10 @@ def test_gpt_oss_middle_window_carries_a_stub_head(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------- refusals
 
 
-def _bare(path: Path, arch: str) -> Path:
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(2)
-    w.add_embedding_length(8)
-    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
 @pytest.mark.parametrize("arch, reason", [("bloom", "not been checked"), ("rwkv7", "recurrent state"),
                                           ("glm4moe", "aborts the process")])
 def test_refused_architecture_gets_one_line(tmp_path: Path, arch: str, reason: str) -> None:
-    model = _bare(tmp_path / f"{arch}.gguf", arch)
+    model = make_bare_gguf(tmp_path / f"{arch}.gguf", arch)
     with pytest.raises(UnsupportedArchitectureError, match=f"'{arch}'.*{reason}"):
         shard_model(model, tmp_path / "out", n_stages=2, progress=False)
     proc = subprocess.run([sys.executable, "-m", "edgespec", "shard", str(model), "--stages", "2",

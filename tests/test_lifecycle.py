@@ -165,6 +165,15 @@ def _ring_up(tiny, key_file, home, nodes, *extra) -> subprocess.CompletedProcess
     return res
 
 
+def _head_home(tiny, key_file, nodes, tmp_path, monkeypatch) -> Path:
+    """A head's EDGESPEC_HOME (for the CLI and this process) with a ring up over ``nodes``."""
+    home = tmp_path / "head"
+    home.mkdir()
+    monkeypatch.setenv("EDGESPEC_HOME", str(home))
+    _ring_up(tiny, key_file, home, nodes)
+    return home
+
+
 def _status(key_file, home) -> str:
     res = _cli(["ring", "status", "--key-file", str(key_file)], home)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -173,10 +182,7 @@ def _status(key_file, home) -> str:
 
 def test_restarted_node_rejoins_on_rebalance(tiny, key_file, three, prompt, reference,
                                              tmp_path, monkeypatch):
-    home = tmp_path / "head"
-    home.mkdir()
-    monkeypatch.setenv("EDGESPEC_HOME", str(home))
-    _ring_up(tiny, key_file, home, three)
+    home = _head_home(tiny, key_file, three, tmp_path, monkeypatch)
     victim = three[1]
     port = victim.address[1]
     victim.proc.kill()  # kill -9: no goodbye; s0 keeps a link to a dead process
@@ -196,10 +202,7 @@ def test_restarted_node_rejoins_on_rebalance(tiny, key_file, three, prompt, refe
 
 def test_second_head_is_refused_while_the_first_serves(tiny, key_file, three, prompt,
                                                        reference, tmp_path, monkeypatch):
-    home = tmp_path / "head"
-    home.mkdir()
-    monkeypatch.setenv("EDGESPEC_HOME", str(home))
-    _ring_up(tiny, key_file, home, three)
+    home = _head_home(tiny, key_file, three, tmp_path, monkeypatch)
     with Ring.attach(key=str(key_file), spec="none") as first:
         assert _greedy(first, prompt) == reference
         env = _env(home)
@@ -221,10 +224,7 @@ def test_second_head_is_refused_while_the_first_serves(tiny, key_file, three, pr
 
 def test_status_after_a_recovery_shows_the_plan_in_force(tiny, key_file, three, prompt,
                                                          reference, tmp_path, monkeypatch):
-    home = tmp_path / "head"
-    home.mkdir()
-    monkeypatch.setenv("EDGESPEC_HOME", str(home))
-    _ring_up(tiny, key_file, home, three)
+    home = _head_home(tiny, key_file, three, tmp_path, monkeypatch)
     with Ring.attach(key=str(key_file), spec="none") as ring:
         assert _greedy(ring, prompt) == reference
         three[2].proc.kill()

@@ -9,10 +9,9 @@ import sys
 from pathlib import Path
 
 import gguf
-import numpy as np
 import pytest
 from stage_fixtures import tiny_dir, tiny_llama, tiny_qwen2  # noqa: F401 - fixtures
-from tinygguf import make_tiny_gguf, min_vocab
+from tinygguf import make_bare_gguf, make_tiny_gguf, min_vocab
 
 from edgespec import llamacpp
 from edgespec.shard import (
@@ -123,20 +122,8 @@ def test_bad_ranges(tiny_qwen2: Path, tmp_path: Path, ranges, message) -> None: 
     assert not list(tmp_path.glob("*.gguf"))
 
 
-def _bare_gguf(path: Path, arch: str) -> Path:
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(2)
-    w.add_embedding_length(8)
-    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
 def test_unsupported_architecture(tmp_path: Path) -> None:
-    path = _bare_gguf(tmp_path / "bloom.gguf", "bloom")
+    path = make_bare_gguf(tmp_path / "bloom.gguf", "bloom")
     with pytest.raises(UnsupportedArchitectureError, match="'bloom' cannot be split into layer windows yet"):
         shard_model(path, tmp_path / "out", n_stages=2, progress=False)
 

@@ -433,3 +433,17 @@ def _family_tensors(w: gguf.GGUFWriter, arch: str, normal, *, n_layer: int, n_em
     w.add_tensor("output_norm.weight", np.ones((n_embd,), dtype=np.float32))
     if not tied:
         w.add_tensor("output.weight", normal((n_vocab, n_embd), 3.0 * s_in))
+
+
+def make_bare_gguf(path: str | Path, arch: str) -> Path:
+    """A GGUF that only names ``arch`` (two blocks, an embedding table, nothing else): enough
+    for the shard code to read the architecture and refuse it."""
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(2)
+    w.add_embedding_length(8)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(path)
