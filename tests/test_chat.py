@@ -407,3 +407,16 @@ def test_terminating_the_chat_stops_its_local_ring(real_model_path, tmp_path, si
         for p in nodes:  # never leave node processes behind, even on failure
             if alive(p):
                 os.kill(p, signal.SIGKILL)
+
+
+def test_max_tokens_beyond_the_context_answers_with_the_cap_reported(real_model_path, tmp_path):
+    exe = str(Path(sys.executable).with_name("edgespec"))
+    env = dict(os.environ, OMP_WAIT_POLICY="passive", EDGESPEC_HOME=str(tmp_path))
+    proc = subprocess.run([exe, "chat", "--local", "2", "--model", str(real_model_path),
+                           "--ctx", "256", "--max-tokens", "100000", "--spec", "none"],
+                          input="Say hi.\n", capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout + proc.stderr
+    assert re.search(r"max_tokens 100000 capped to \d+", out), out
+    assert STATS_LINE.search(proc.stdout), proc.stdout
