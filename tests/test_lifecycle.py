@@ -284,3 +284,17 @@ def test_killed_serve_leaves_no_node_and_no_key(tiny, tmp_path):
             serve.kill()
         for p in children(serve.pid):
             os.kill(p, signal.SIGKILL)
+
+
+def test_a_ring_opened_in_a_short_lived_thread_outlives_it(tiny, prompt, reference):
+    """Nodes die with their head, not with the thread that happened to start them."""
+    import threading
+
+    box: list[Ring] = []
+    t = threading.Thread(target=lambda: box.append(Ring.local(tiny, stages=2, spec="none")))
+    t.start()
+    t.join()
+    with box[0] as ring:
+        time.sleep(1.0)
+        assert all(p.poll() is None for p in ring.local_nodes.procs)
+        assert _greedy(ring, prompt) == reference

@@ -3,6 +3,7 @@ ring), or all windows in this process. Used by ``Ring.local``, ``edgespec demo``
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import re
@@ -44,9 +45,8 @@ class LocalNodes:
                     cmd += ["--cache", str(cache_dir)]
                 # A session of their own: Ctrl-C in the head's terminal (the chat CLI stops the
                 # current answer with it) must not reach the nodes, which would stop them.
-                p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None if verbose else
-                                     subprocess.DEVNULL, text=True, env=env,
-                                     start_new_session=True)
+                p = _spawn(cmd, stdout=subprocess.PIPE, stderr=None if verbose else
+                           subprocess.DEVNULL, text=True, env=env, start_new_session=True)
                 self.procs.append(p)
             deadline = time.monotonic() + startup_timeout
             for p in self.procs:
@@ -77,6 +77,23 @@ class LocalNodes:
             except subprocess.TimeoutExpired:
                 p.kill()
         self.procs = []
+
+
+_spawner: concurrent.futures.ThreadPoolExecutor | None = None
+_spawner_lock = threading.Lock()
+
+
+def _spawn(cmd: list[str], **kwargs: Any) -> subprocess.Popen:
+    """Popen from one long-lived thread of this process. Linux ties a child's death signal
+    (PR_SET_PDEATHSIG, asked for by the node) to the *thread* that forked it: a ring opened
+    in a short-lived thread (a worker of some script or server) would otherwise see its nodes
+    stopped when that thread ends."""
+    global _spawner
+    with _spawner_lock:
+        if _spawner is None:
+            _spawner = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="edgespec-spawner")
+    return _spawner.submit(subprocess.Popen, cmd, **kwargs).result()
 
 
 def _drain(p: subprocess.Popen) -> None:
