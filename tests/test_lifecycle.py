@@ -89,6 +89,8 @@ def test_stage_error_ends_the_request_not_the_ring(tiny, key_file, prompt, refer
                 with pytest.raises(RequestError):
                     ring.generate(prompt, max_tokens=4,
                                   **{"temperature": 0.7, "top_p": 0.9, **bad})
+            with pytest.raises(RequestError, match="outside the vocabulary"):
+                ring.generate([*prompt, 10**6], max_tokens=4)
             # A stage fails mid-generation: stage 1 loses its KV cache behind the head's back
             # (its next batch then breaks position continuity there).
             stream = ring.stream(prompt, max_tokens=N, spec="none")

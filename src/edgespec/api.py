@@ -227,6 +227,11 @@ class Ring:
             raise RequestError(f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
         if not prompt_tokens:
             raise RequestError("empty prompt: give at least one token", "prompt")
+        n_vocab = int(getattr(self.tokenizer, "n_vocab", 0) or 0)
+        bad = [t for t in prompt_tokens if t < 0 or (n_vocab and t >= n_vocab)]
+        if bad:
+            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary "
+                               f"0..{n_vocab - 1}", "prompt")
         try:
             self.engine.resolve_mode(mode)
         except ValueError as e:
