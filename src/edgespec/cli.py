@@ -339,8 +339,10 @@ def _serve(args: argparse.Namespace) -> int:
     from .server import serve
 
     with _open_ring(args) as ring:
+        # --model is what the user calls the model (a registry name or a path): clients
+        # may use it as the model id too.
         serve(ring, args.served_name or ring.model_name, host=args.host, port=args.port,
-              max_queue=args.max_queue)
+              max_queue=args.max_queue, aliases=[args.model])
     return 0
 
 
