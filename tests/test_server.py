@@ -186,7 +186,10 @@ class ServerProcess:
     """`edgespec serve --local 2 --port 0` in a process of its own; the port is read from
     uvicorn's startup line (port 0: no race for a free port)."""
 
-    def __init__(self, tmp: Path, *extra: str) -> None:
+    def __init__(self, tmp: Path, *extra: str, api_key: str | None = None) -> None:
+        self.api_key = api_key
+        if api_key:
+            extra = (*extra, "--api-key", api_key)
         self.log_path = tmp / "serve.log"
         env = dict(os.environ, OMP_WAIT_POLICY="passive", PYTHONUNBUFFERED="1")
         exe = str(Path(sys.executable).with_name("edgespec"))
@@ -205,7 +208,7 @@ class ServerProcess:
             m = re.search(r"Uvicorn running on (http://[\d.]+:\d+)", self.log())
             if m:
                 base = m.group(1)
-                status, body = http("GET", base + "/v1/models")
+                status, body = http("GET", base + "/v1/models", key=self.api_key)
                 assert status == 200, body
                 return base
             if self.proc.poll() is not None:
@@ -214,7 +217,8 @@ class ServerProcess:
         raise AssertionError(f"server not ready in {timeout} s:\n{self.log()}")
 
     def client(self, **kw) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.base + "/v1", api_key="unused", **kw)
+        return openai.OpenAI(base_url=self.base + "/v1", api_key=self.api_key or "unused",
+                             **kw)
 
     def stop(self) -> int:
         """SIGTERM, as a service manager would; returns the exit code."""
@@ -232,11 +236,14 @@ class ServerProcess:
                     os.kill(pid, signal.SIGKILL)
 
 
-def http(method: str, url: str, body: object | bytes | None = None) -> tuple[int, dict]:
-    """A raw request: (status, parsed JSON body)."""
+def http(method: str, url: str, body: object | bytes | None = None,
+         key: str | None = None) -> tuple[int, dict]:
+    """A raw request: (status, parsed JSON body); ``key``: sent as a bearer token."""
     data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=300) as resp:
             return resp.status, json.loads(resp.read())

@@ -41,6 +41,9 @@ FastAPI/uvicorn are used because they are the standard ASGI stack for this kind 
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
+import hmac
 import json
 import logging
 import signal
@@ -48,11 +51,14 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from http.cookies import SimpleCookie
+from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import unquote
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -328,14 +334,191 @@ class _Inflight:
             ev.set()
 
 
+class _Live:
+    """What the web page's live view shows: tree events from the engine (only while a page
+    is subscribed: with none, the engine has no listener and builds no event), a record per
+    finished generation, and ring snapshots (``Ring.describe``) with per-stage compute
+    times derived from two successive snapshots."""
+
+    #: How often a subscriber is sent the tree events gathered meanwhile, and at most how
+    #: many per flush (the page draws the latest round only).
+    FLUSH_S = 0.25
+    MAX_EVENTS = 400
+    #: Ring snapshots (one health round trip per node) at most this often, for all pages.
+    SNAPSHOT_S = 2.0
+
+    def __init__(self, ring: Ring) -> None:
+        self.ring = ring
+        self._lock = threading.Lock()
+        self._events: collections.deque[tuple[int, dict]] = collections.deque(maxlen=4096)
+        self._seq = 0
+        self._subscribers = 0
+        self.history: collections.deque[dict] = collections.deque(maxlen=500)
+        self._snap: dict | None = None
+        self._snap_at = 0.0
+        self._snap_lock = threading.Lock()
+        self._prev: dict[int, tuple[float, int, float]] = {}  # stage -> (time, batches, busy)
+        self._texts: dict[int, str] = {}
+
+    def _on_event(self, event: dict) -> None:
+        """Engine thread: O(1), no formatting (that happens on the way to the page)."""
+        with self._lock:
+            self._seq += 1
+            self._events.append((self._seq, event))
+
+    def subscribe(self) -> int:
+        with self._lock:
+            self._subscribers += 1
+            if self._subscribers == 1:
+                self.ring.add_listener(self._on_event)
+            return self._seq
+
+    def unsubscribe(self) -> None:
+        with self._lock:
+            self._subscribers -= 1
+            if self._subscribers == 0:
+                self.ring.remove_listener(self._on_event)
+
+    def since(self, seq: int) -> tuple[int, list[dict]]:
+        with self._lock:
+            events = [e for s, e in self._events if s > seq]
+            return self._seq, events
+
+    def add_generation(self, record: dict) -> None:
+        self.history.append(record)
+        self._on_event({"e": "gen", **record})
+
+    def text(self, token: int) -> str:
+        t = self._texts.get(token)
+        if t is None:
+            t = self.ring.tokenizer.piece(token, special=True).decode("utf-8", "replace")
+            if len(self._texts) < 200_000:
+                self._texts[token] = t
+        return t
+
+    def readable(self, events: list[dict]) -> list[dict]:
+        """Tree events with token texts added, the latest ``MAX_EVENTS`` only."""
+        out = []
+        for ev in events[-self.MAX_EVENTS:]:
+            ev = dict(ev)
+            if ev["e"] == "rows":
+                ev["rows"] = [[n, p, t, self.text(t)] for n, p, t in ev["rows"]]
+            elif ev["e"] == "decide":
+                ev["bonus_text"] = self.text(ev["bonus"])
+            elif ev["e"] == "plain":
+                ev["text"], ev["root_text"] = self.text(ev["token"]), self.text(ev["root"])
+            out.append(ev)
+        return out
+
+    def snapshot(self, max_age: float = SNAPSHOT_S) -> dict:
+        """``Ring.describe()`` plus live per-stage compute time per batch (blocking: call
+        from a worker thread), reused for ``max_age`` seconds."""
+        with self._snap_lock:
+            now = time.monotonic()
+            if self._snap is not None and now - self._snap_at < max_age:
+                return self._snap
+            try:
+                snap = self.ring.describe()
+            except Exception as exc:  # the page must show a broken ring, not fail with it
+                snap = {"status": "down", "message": f"{type(exc).__name__}: {exc}",
+                        "hint": "restart `edgespec serve` (or `edgespec ring up`)",
+                        "stages": [], "model": self.ring.model_name}
+            for st in snap.get("stages", []):
+                st["ms_per_batch"] = None
+                if st.get("batches") is None:
+                    continue
+                prev = self._prev.get(st["stage"])
+                if prev is not None and st["batches"] > prev[1]:
+                    st["ms_per_batch"] = round(
+                        (st["busy_s"] - prev[2]) * 1e3 / (st["batches"] - prev[1]), 2)
+                elif prev is not None and self._snap is not None:
+                    old = next((o for o in self._snap.get("stages", [])
+                                if o["stage"] == st["stage"]), None)
+                    st["ms_per_batch"] = old and old.get("ms_per_batch")  # idle: keep last
+                if prev is None or st["batches"] != prev[1]:
+                    self._prev[st["stage"]] = (now, st["batches"], st["busy_s"])
+            self._snap, self._snap_at = snap, now
+            return snap
+
+
+#: The page served at ``/`` to a browser without the key when ``--api-key`` is set: it asks
+#: for the key and keeps it in a same-site cookie, which the page's requests then carry.
+_LOGIN_PAGE = """<!doctype html><html lang="en"><head><meta charset="utf-8">
+<title>edgespec: API key</title></head><body style="font: 15px system-ui; margin: 3em">
+<h1>edgespec</h1><p>This server needs its API key (<code>edgespec serve --api-key</code>).</p>
+<form id="f"><input id="k" type="password" autofocus placeholder="API key" size="40">
+<button>Open</button></form><script>
+document.getElementById("f").onsubmit = (e) => { e.preventDefault();
+  document.cookie = "edgespec_key=" + encodeURIComponent(document.getElementById("k").value) +
+    "; path=/; SameSite=Strict"; location.reload(); };
+</script></body></html>"""
+
+
+class _KeyCheck:
+    """ASGI middleware: every request must carry the API key, as ``Authorization: Bearer
+    <key>`` (API clients) or the page's ``edgespec_key`` cookie (browsers: a same-site
+    cookie, so other sites cannot use it). Compared in constant time."""
+
+    def __init__(self, app: Any, key: str) -> None:
+        self.app = app
+        self.key = key.encode()
+
+    def _supplied(self, scope: dict) -> bytes:
+        headers = {k.lower(): v for k, v in scope.get("headers", [])}
+        auth = headers.get(b"authorization", b"")
+        if auth[:7].lower() == b"bearer ":
+            return auth[7:].strip()
+        cookie = headers.get(b"cookie")
+        if cookie:
+            jar: SimpleCookie = SimpleCookie()
+            with contextlib.suppress(Exception):
+                jar.load(cookie.decode("latin-1"))
+            if "edgespec_key" in jar:
+                return unquote(jar["edgespec_key"].value).encode()
+        return b""
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or hmac.compare_digest(self._supplied(scope), self.key):
+            await self.app(scope, receive, send)
+            return
+        headers = {"WWW-Authenticate": "Bearer"}
+        if scope.get("path") == "/" and scope.get("method") == "GET":
+            response: Response = HTMLResponse(_LOGIN_PAGE, status_code=401, headers=headers)
+        else:
+            response = _error(401, "missing or wrong API key: send 'Authorization: Bearer "
+                              "<key>'", "invalid_request_error", code="invalid_api_key",
+                              headers=headers)
+        await response(scope, receive, send)
+
+
+def _web_files() -> dict[str, tuple[bytes, str]]:
+    """The page's files, shipped in the package (no build step, nothing from a CDN)."""
+    kinds = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
+             ".css": "text/css; charset=utf-8"}
+    out = {}
+    for f in resources.files("edgespec").joinpath("web").iterdir():
+        kind = kinds.get(Path(f.name).suffix)
+        if kind is not None:
+            out[f.name] = (f.read_bytes(), kind)
+    return out
+
+
 def create_app(ring: Ring, model_name: str, max_queue: int = 16,
-               aliases: Sequence[str] = (), max_body: int = MAX_BODY_BYTES) -> FastAPI:
+               aliases: Sequence[str] = (), max_body: int = MAX_BODY_BYTES,
+               api_key: str | None = None) -> FastAPI:
     """The ASGI app serving ``ring`` under ``model_name`` (``aliases``: other names clients
     may use for it, e.g. the registry name). ``app.state.shutdown()`` stops every generation
-    at its next round and refuses new requests (``serve`` calls it on SIGTERM/SIGINT)."""
-    app = FastAPI(title="edgespec", version="1")
+    at its next round and refuses new requests (``serve`` calls it on SIGTERM/SIGINT).
+    ``api_key``: every endpoint, the page and its live stream included, then needs it."""
+    app = FastAPI(title="edgespec", version="1", docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    if api_key:
+        app.add_middleware(_KeyCheck, key=api_key)
     gate = _Gate(max_queue)
     inflight = _Inflight()
+    live = _Live(ring)
+    web = _web_files()
+    app.state.live = live
     app.state.shutdown = inflight.close
     app.state.gate = gate
     known_names = _model_names(model_name, ring.model_name, aliases)
@@ -374,6 +557,65 @@ def create_app(ring: Ring, model_name: str, max_queue: int = 16,
             done = dict(counts)
         return {"status": "ok", "model": model_name, **gate.state(), **done,
                 "recoveries": len(ring.recovery_log)}
+
+    @app.get("/")
+    async def page() -> Response:
+        body, kind = web["index.html"]
+        return Response(body, media_type=kind, headers={"Cache-Control": "no-cache"})
+
+    @app.get("/web/{name}")
+    async def web_file(name: str) -> Response:
+        if name not in web:
+            raise StarletteHTTPException(404, f"no such file: {name}")
+        body, kind = web[name]
+        return Response(body, media_type=kind, headers={"Cache-Control": "no-cache"})
+
+    def _ring_json() -> dict[str, Any]:
+        snap = dict(live.snapshot())
+        snap.update(gate.state())
+        snap["history"] = list(live.history)
+        return snap
+
+    @app.get("/v1/ring")
+    async def ring_state() -> dict[str, Any]:
+        """The ring as ``Ring.describe`` sees it, with live per-stage compute times, the
+        queue, and this server's per-generation records."""
+        return await asyncio.to_thread(_ring_json)
+
+    @app.get("/v1/ring/events")
+    async def ring_events(request: Request) -> StreamingResponse:
+        """Server-sent events for the page: ``ring`` (the /v1/ring snapshot, at once and
+        every few seconds), ``tree`` (the token tree's events, batched a few times a second)
+        and ``gen`` (a finished generation's record)."""
+        return StreamingResponse(_live_events(request), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    async def _live_events(request: Request) -> AsyncIterator[bytes]:
+        def sse(event: str, payload: Any) -> bytes:
+            return f"event: {event}\ndata: {json.dumps(payload)}\n\n".encode()
+
+        seq = live.subscribe()
+        try:
+            yield sse("ring", await asyncio.to_thread(_ring_json))
+            next_ring = time.monotonic() + live.SNAPSHOT_S
+            while not inflight.closing:
+                await asyncio.sleep(live.FLUSH_S)
+                if await request.is_disconnected():
+                    break
+                seq, events = live.since(seq)
+                tree = [e for e in events if e["e"] != "gen"]
+                if tree:
+                    yield sse("tree", live.readable(tree))
+                for e in events:
+                    if e["e"] == "gen":
+                        yield sse("gen", {k: v for k, v in e.items() if k != "e"})
+                if time.monotonic() >= next_ring:
+                    next_ring = time.monotonic() + live.SNAPSHOT_S
+                    snap = await asyncio.to_thread(_ring_json)
+                    snap.pop("history")  # the page keeps its own from the gen events
+                    yield sse("ring", snap)
+        finally:
+            live.unsubscribe()
 
     async def _read_body(request: Request) -> bytes:
         """The body, refused with 413 as soon as it is known to exceed ``max_body``: from
@@ -414,8 +656,19 @@ def create_app(ring: Ring, model_name: str, max_queue: int = 16,
                 "completion_tokens": gen.stats.tokens,
                 "total_tokens": gen.stats.prompt_tokens + gen.stats.tokens}
 
+    def _record(gen: Generation, ttft: float | None, kind: str) -> None:
+        st = gen.stats
+        live.add_generation({
+            "time": time.time(), "kind": kind, "mode": st.mode, "tokens": st.tokens,
+            "prompt_tokens": st.prompt_tokens, "tokens_per_s": round(st.tokens_per_s, 3),
+            "laps": st.laps, "rounds": st.rounds,
+            "tokens_per_lap": round(st.tokens / st.laps, 3) if st.laps else 0.0,
+            "accepted_hist": {str(k): v for k, v in sorted(st.accepted_hist.items())},
+            "ttft_ms": None if ttft is None else round(ttft * 1e3, 1),
+            "finish": gen.finish_reason, "recoveries": st.recoveries})
+
     def _launch(ticket: int, make_stream: Callable[[], TextStream], cancel: threading.Event,
-                max_tokens: int) -> asyncio.Queue:
+                max_tokens: int, kind: str = "chat") -> asyncio.Queue:
         """Run the generation in a thread of its own once its turn comes; pieces, then the
         ``Generation`` (or the exception), then ``None`` arrive on the returned queue.
         A thread per request (not the loop's small default pool) so that requests waiting
@@ -432,10 +685,16 @@ def create_app(ring: Ring, model_name: str, max_queue: int = 16,
                 if cancel.is_set():  # the client left while queued: skip it entirely
                     count("abandoned")
                     return
+                t0 = time.perf_counter()
+                ttft = None
                 stream = make_stream()
                 for piece in stream:
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0  # prefill + first round
                     put(piece)
                 gen = stream.result
+                if gen is not None:
+                    _record(gen, ttft, kind)
                 # Abandoned: the client hung up and the generation stopped short for it.
                 left = cancel.is_set() and gen is not None and gen.stats.tokens < max_tokens
                 count("abandoned" if left else "completed")
@@ -490,7 +749,7 @@ def create_app(ring: Ring, model_name: str, max_queue: int = 16,
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         queue = _launch(ticket, lambda: ring.stream_tokens(tokens, cancel=cancel, **args),
-                        cancel, args["max_tokens"])
+                        cancel, args["max_tokens"], "chat" if chat else "completion")
 
         if req.stream:
             return StreamingResponse(
@@ -599,7 +858,8 @@ def create_app(ring: Ring, model_name: str, max_queue: int = 16,
 
 
 def serve(ring: Ring, model_name: str, host: str = "127.0.0.1", port: int = 8080,
-          max_queue: int = 16, aliases: Sequence[str] = ()) -> None:
+          max_queue: int = 16, aliases: Sequence[str] = (), api_key: str | None = None
+          ) -> None:
     """Run the server until SIGINT or SIGTERM, then return (so the caller closes the ring).
 
     A signal first stops every generation at its next round, so in-flight answers end at
@@ -607,7 +867,10 @@ def serve(ring: Ring, model_name: str, host: str = "127.0.0.1", port: int = 8080
     complete; uvicorn's graceful shutdown is bounded as a backstop."""
     import uvicorn
 
-    app = create_app(ring, model_name, max_queue, aliases=aliases)
+    app = create_app(ring, model_name, max_queue, aliases=aliases, api_key=api_key)
+    if not api_key and host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("serving on %s without --api-key: anyone who can reach this port can use "
+                    "the ring", host)
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
