@@ -28,6 +28,18 @@ model. Since one model is served, any other name is served too, with a warning i
 ``abandoned`` (the client left before its generation ended), ``rejected`` (429: queue full)
 count requests since start; ``recoveries`` counts ring rebuilds after a node was lost.
 
+``GET /`` serves a single page (files shipped in the package under ``edgespec/web``: no build
+step, nothing from a CDN): a chat over the endpoints above, the ring drawn live, the token
+tree of the current round as verification decides it, and charts over the session. Its live
+data comes from ``GET /v1/ring`` (JSON: ``Ring.describe()`` plus per-stage compute time per
+batch, the queue, and a record per finished generation) and ``GET /v1/ring/events``
+(server-sent events: ``ring`` snapshots every 2 s, ``tree`` events batched every 0.25 s,
+``gen`` records). The engine builds tree events only while a page is subscribed.
+
+With ``api_key`` every endpoint (the page, its files and its stream included) needs
+``Authorization: Bearer <key>`` or the page's same-site ``edgespec_key`` cookie (the page
+asks for the key); without it, 401.
+
 One ring holds one KV cache, so requests run one at a time in arrival order (a FIFO gate):
 nothing from one request can leak into another's context. The queue is bounded: besides the
 request being served, at most ``max_queue`` wait; one beyond that gets 429 at once instead of
