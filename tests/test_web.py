@@ -67,6 +67,13 @@ def page(browser, server):
     yield pg
     ctx.close()
     assert not errors, errors
+    # The page is gone: its live stream ends and the engine's listener with it.
+    if server.proc.poll() is None:
+        deadline = time.monotonic() + 30
+        while http("GET", server.base + "/health", key=KEY)[1]["viewers"] and \
+                time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert http("GET", server.base + "/health", key=KEY)[1]["viewers"] == 0
 
 
 def _raw_status(base: str, method: str, path: str, headers: dict[str, str]) -> int:
@@ -222,3 +229,8 @@ def test_ring_down_then_the_new_plan_after_recovery(page, server):
     assert "recovered 1×" in page.text_content("#ring-note")
     assert page.is_hidden("#down")
     assert [s["layers"] for s in _ring(server)["stages"]] == [[0, 24]]
+    _, health = http("GET", server.base + "/health", key=KEY)
+    assert health["viewers"] == 1 and health["recoveries"] == 1
+    # SIGTERM with the page open: its live stream ends and the server exits cleanly.
+    assert server.stop() == 0, server.log()
+    assert "Traceback" not in server.log()

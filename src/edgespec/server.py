@@ -22,11 +22,13 @@ model. Since one model is served, any other name is served too, with a warning i
 ``GET /health`` answers at once, whatever the ring is doing::
 
     {"status": "ok", "model": <served name>, "serving": 0|1, "queued": <waiting requests>,
-     "max_queue": N, "completed": N, "abandoned": N, "rejected": N, "recoveries": N}
+     "max_queue": N, "completed": N, "abandoned": N, "rejected": N, "recoveries": N,
+     "viewers": N}
 
 ``serving``/``queued``: the request on the ring and those waiting for it; ``completed``,
 ``abandoned`` (the client left before its generation ended), ``rejected`` (429: queue full)
-count requests since start; ``recoveries`` counts ring rebuilds after a node was lost.
+count requests since start; ``recoveries`` counts ring rebuilds after a node was lost;
+``viewers``: web pages following the live view now.
 
 ``GET /`` serves a single page (files shipped in the package under ``edgespec/web``: no build
 step, nothing from a CDN): a chat over the endpoints above, the ring drawn live, the token
@@ -358,6 +360,8 @@ class _Live:
     MAX_EVENTS = 400
     #: Ring snapshots (one health round trip per node) at most this often, for all pages.
     SNAPSHOT_S = 2.0
+    #: Pages following the live view at once (each holds a connection).
+    MAX_VIEWERS = 8
 
     def __init__(self, ring: Ring) -> None:
         self.ring = ring
@@ -390,6 +394,11 @@ class _Live:
             self._subscribers -= 1
             if self._subscribers == 0:
                 self.ring.remove_listener(self._on_event)
+
+    @property
+    def subscribers(self) -> int:
+        with self._lock:
+            return self._subscribers
 
     def since(self, seq: int) -> tuple[int, list[dict]]:
         with self._lock:
@@ -568,7 +577,7 @@ def create_app(ring: Ring, model_name: str, max_queue: int = 16,
         with counts_lock:
             done = dict(counts)
         return {"status": "ok", "model": model_name, **gate.state(), **done,
-                "recoveries": len(ring.recovery_log)}
+                "recoveries": len(ring.recovery_log), "viewers": live.subscribers}
 
     @app.get("/")
     async def page() -> Response:
@@ -595,10 +604,13 @@ def create_app(ring: Ring, model_name: str, max_queue: int = 16,
         return await asyncio.to_thread(_ring_json)
 
     @app.get("/v1/ring/events")
-    async def ring_events(request: Request) -> StreamingResponse:
+    async def ring_events(request: Request) -> Response:
         """Server-sent events for the page: ``ring`` (the /v1/ring snapshot, at once and
         every few seconds), ``tree`` (the token tree's events, batched a few times a second)
-        and ``gen`` (a finished generation's record)."""
+        and ``gen`` (a finished generation's record). At most ``MAX_VIEWERS`` at once."""
+        if live.subscribers >= live.MAX_VIEWERS:
+            return _error(503, f"{live.MAX_VIEWERS} pages already follow the live view; close "
+                          "one", "server_error", code="too_many_viewers")
         return StreamingResponse(_live_events(request), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
@@ -729,6 +741,10 @@ def create_app(ring: Ring, model_name: str, max_queue: int = 16,
         req = parse_request(raw, chat)
         args = _sampling_args(req)
         if req.spec is not None:
+            try:  # e.g. "flow" on a ring without a drafter: the caller's choice, not a fault
+                ring.engine.resolve_mode(req.spec)
+            except ValueError as exc:
+                raise _BadRequest(str(exc), "spec") from None
             args["spec"] = req.spec
         tokens = _prompt_tokens(req)
         room = ring.n_ctx - len(tokens)
