@@ -374,7 +374,7 @@ def _drafter_name(drafter: Any) -> str | None:
     if drafter is None:
         return None
     path = getattr(drafter, "model_path", None)
-    kind = type(drafter).__name__.replace("Drafter", "").lower() or "drafter"
+    kind = type(drafter).__name__.replace("Drafter", "").lower().replace("draftmodel", "model")
     return f"{kind} ({Path(path).name})" if path is not None else kind
 
 

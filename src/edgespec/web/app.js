@@ -173,8 +173,8 @@ function drawRing(snap) {
     const g = svg("g", { class: "node" + (it.head ? " head" : "") + (it.alive === false ? " lost" : ""), transform: `translate(${x},${y})` });
     g.appendChild(svg("rect", { width: w, height: h, rx: 6 }));
     const lines = it.head
-      ? [["title", "head"], ["", `drafter: ${snap.drafter || "none"}`], ["", `spec: ${snap.spec}`],
-         ["", `model: ${(snap.model || "").slice(0, 22)}`]]
+      ? [["title", "head"], ["", `drafter: ${snap.drafter || "none"}`.slice(0, 26)], ["", `spec: ${snap.spec}`],
+         ["", `model: ${(snap.model || "").slice(0, 19)}`]]
       : [["title", `stage ${it.stage} · layers ${it.layers[0]}–${it.layers[1] - 1}`],
          ["", `${it.node}`.slice(0, 24)],
          ["", `${(it.backend || "?").toUpperCase()} · ${fmtBytes(it.free_ram)} free`],
@@ -260,45 +260,73 @@ function drawTree() {
   const t = state.tree;
   const box = $("tree");
   if (!t.nodes.size) return;
+  const all = new Map(t.nodes);
+  if (t.bonus) all.set("bonus", { parent: t.bonus.parent, text: t.bonus.text, status: "bonus" });
+  const depth = new Map();
+  const depthOf = (n) => {
+    if (depth.has(n)) return depth.get(n);
+    const x = all.get(n);
+    const d = x && all.has(x.parent) ? depthOf(x.parent) + 1 : 0;
+    depth.set(n, d);
+    return d;
+  };
+  // Long accepted paths (flow rounds can accept a hundred tokens) are elided but for their
+  // last few rows, so the frontier (in flight, just decided) stays in view.
+  let deepest = 0;
+  for (const [n, x] of all) if (x.status === "accepted") deepest = Math.max(deepest, depthOf(n));
+  const KEEP = 4;
+  const cut = Math.max(0, deepest - KEEP);
+  const shown = new Map([...all].filter(([n]) => depthOf(n) >= cut).map(([n, x]) => [n, { ...x }]));
+  if (cut > 0) {
+    for (const [, x] of shown) if (!shown.has(x.parent)) x.parent = "elided";
+    shown.set("elided", { parent: null, text: `… ${cut} accepted`, status: "accepted" });
+  }
   const kids = new Map();
-  const all = [...t.nodes.entries()];
-  if (t.bonus) all.push(["bonus", { parent: t.bonus.parent, text: t.bonus.text, status: "bonus" }]);
-  for (const [n, x] of all) {
+  for (const [n, x] of shown) {
     if (!kids.has(x.parent)) kids.set(x.parent, []);
     kids.get(x.parent).push(n);
   }
   const pos = new Map();
   let row = 0, maxDepth = 0;
-  const place = (n, depth) => {
+  const place = (n, d) => {
     const c = kids.get(n) || [];
-    maxDepth = Math.max(maxDepth, depth);
-    if (!c.length) { pos.set(n, [depth, row++]); return; }
+    maxDepth = Math.max(maxDepth, d);
+    if (!c.length) { pos.set(n, [d, row++]); return; }
     const first = row;
-    c.forEach((k) => place(k, depth + 1));
-    pos.set(n, [depth, (first + row - 1) / 2]);
+    c.forEach((k) => place(k, d + 1));
+    pos.set(n, [d, (first + row - 1) / 2]);
   };
-  const roots = all.filter(([, x]) => !t.nodes.has(x.parent) && x.parent !== "bonus").map(([n]) => n);
-  roots.forEach((r) => place(r, 0));
-  const bw = 62, bh = 18, dx = 78, dy = 22;
+  [...shown].filter(([, x]) => !shown.has(x.parent)).forEach(([n]) => place(n, 0));
+  const bw = 62, bh = 18, dx = 76, dy = 22;
   const root = svg("svg", { width: (maxDepth + 1) * dx + 10, height: row * dy + 10 });
-  const byId = new Map(all);
-  for (const [n, x] of all) {
+  for (const [n, x] of shown) {
     const p = pos.get(n), q = pos.get(x.parent);
     if (!p || !q) continue;
     root.appendChild(svg("path", { class: "t-edge", d: `M ${5 + q[0] * dx + bw} ${5 + q[1] * dy + bh / 2} L ${5 + p[0] * dx} ${5 + p[1] * dy + bh / 2}` }));
   }
   for (const [n, [d, r]] of pos) {
-    const x = byId.get(n);
+    const x = shown.get(n);
     const g = svg("g", { class: "t-" + x.status, transform: `translate(${5 + d * dx},${5 + r * dy})` });
-    g.appendChild(svg("rect", { width: bw, height: bh, rx: 3 }));
+    g.appendChild(svg("rect", { width: n === "elided" ? bw + dx - 8 : bw, height: bh, rx: 3 }));
     // Whitespace made visible: code answers are full of indentation tokens.
-    const label = JSON.stringify(x.text || "").slice(1, -1).replace(/ /g, "·");
-    g.appendChild(svg("text", { x: 4, y: 13 }, label.length > 9 ? label.slice(0, 8) + "…" : label));
+    const label = n === "elided" ? x.text : JSON.stringify(x.text || "").slice(1, -1).replace(/ /g, "·");
+    g.appendChild(svg("text", { x: 4, y: 13 }, label.length > 9 && n !== "elided" ? label.slice(0, 8) + "…" : label));
     g.appendChild(svg("title", {}, `${x.status}: ${label}`));
     root.appendChild(g);
   }
+  if (cut > 0) {  // the elided box is wider: shift everything else right by one column
+    for (const g of root.querySelectorAll("g")) {
+      const m = g.getAttribute("transform").match(/translate\(([\d.]+),([\d.]+)\)/);
+      if (Number(m[1]) > 5) g.setAttribute("transform", `translate(${Number(m[1]) + dx - 8},${m[2]})`);
+    }
+    for (const e of root.querySelectorAll("path")) {
+      e.setAttribute("d", e.getAttribute("d").replace(/M ([\d.]+) ([\d.]+) L ([\d.]+)/, (_, a, b, c) => `M ${Number(a) + dx - 8} ${b} L ${Number(c) + dx - 8}`));
+    }
+    root.setAttribute("width", (maxDepth + 2) * dx + 10);
+  }
   box.innerHTML = "";
   box.appendChild(root);
+  box.scrollLeft = box.scrollWidth;  // the frontier is on the right
   const counts = { accepted: 0, rejected: 0, inflight: 0 };
   for (const [, x] of t.nodes) if (x.status in counts) counts[x.status]++;
   $("tree-info").textContent = `lap ${t.lap} · ${counts.accepted} accepted, ${counts.rejected} rejected, ${counts.inflight} in flight`;
