@@ -3,9 +3,13 @@ shapes) against a server process over a local ring of two node processes, with t
 Qwen2.5-Coder-0.5B.
 
 Checked: both endpoints streaming and not, usage counts, stop sequences, OpenAI-shaped
-errors, greedy answers equal to the unsplit model's, 8 concurrent clients x 5 requests equal
-to the same requests served alone, and overload: a bounded queue, 429s in OpenAI's shape
-beyond it, every accepted request completed, and a clean shutdown on SIGTERM.
+errors, every request field validated before the ring sees it (a value the stages' sampler
+refuses is a 400 and the ring serves on without a rebuild), the model names clients use, a
+body limit answered from Content-Length, /health answering while a huge prompt is tokenized,
+greedy answers equal to the unsplit model's, 8 concurrent clients x 5 requests equal to the
+same requests served alone, and overload: a bounded queue, 429s in OpenAI's shape beyond it,
+every accepted request completed, and a prompt, clean shutdown on SIGTERM with an answer in
+flight.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ step, nothing from a CDN): a chat over the endpoints above, the ring drawn live,
 tree of the current round as verification decides it, and charts over the session. Its live
 data comes from ``GET /v1/ring`` (JSON: ``Ring.describe()`` plus per-stage compute time per
 batch, the queue, and a record per finished generation) and ``GET /v1/ring/events``
-(server-sent events: ``ring`` snapshots every 2 s, ``tree`` events batched every 0.25 s,
+(server-sent events: ``ring`` snapshots every 3 s, ``tree`` events batched every 0.5 s,
 ``gen`` records). The engine builds tree events only while a page is subscribed.
 
 With ``api_key`` every endpoint (the page, its files and its stream included) needs
@@ -356,10 +356,10 @@ class _Live:
 
     #: How often a subscriber is sent the tree events gathered meanwhile, and at most how
     #: many per flush (the page draws the latest round only).
-    FLUSH_S = 0.25
+    FLUSH_S = 0.5
     MAX_EVENTS = 400
     #: Ring snapshots (one health round trip per node) at most this often, for all pages.
-    SNAPSHOT_S = 2.0
+    SNAPSHOT_S = 3.0
     #: Pages following the live view at once (each holds a connection).
     MAX_VIEWERS = 8
 
@@ -401,9 +401,17 @@ class _Live:
             return self._subscribers
 
     def since(self, seq: int) -> tuple[int, list[dict]]:
+        """Events after ``seq`` (newest last). Scans from the newest end only, so the
+        engine thread never waits on a long copy."""
+        out: list[dict] = []
         with self._lock:
-            events = [e for s, e in self._events if s > seq]
-            return self._seq, events
+            for s, e in reversed(self._events):
+                if s <= seq:
+                    break
+                out.append(e)
+            last = self._seq
+        out.reverse()
+        return last, out
 
     def add_generation(self, record: dict) -> None:
         self.history.append(record)
