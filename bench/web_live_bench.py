@@ -22,15 +22,18 @@ in ``<out>/web_live_bench.jsonl`` and a table in ``<out>/web_live_bench.md``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import os
 import platform
 import re
 import signal
+import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -81,7 +84,9 @@ class StreamReader:
 
     def __init__(self, base: str) -> None:
         host, port = base.split("//")[1].split(":")
-        self.conn = http.client.HTTPConnection(host, int(port), timeout=1.0)
+        # No read timeout: a timed-out socket file raises at once on every later read (a
+        # busy loop that would steal a core from the ring); close() shuts the socket down.
+        self.conn = http.client.HTTPConnection(host, int(port))
         self.conn.request("GET", "/v1/ring/events")
         self.resp = self.conn.getresponse()
         self.events = 0
@@ -93,14 +98,16 @@ class StreamReader:
         while not self._stop.is_set():
             try:
                 line = self.resp.readline()
-            except (TimeoutError, OSError):
-                continue
+            except (OSError, ValueError):
+                return
             if not line:
                 return
             self.events += line.startswith(b"event: ")
 
     def close(self) -> int:
         self._stop.set()
+        with contextlib.suppress(OSError):
+            self.conn.sock.shutdown(socket.SHUT_RDWR)
         self.thread.join(5)
         self.conn.close()
         return self.events
@@ -167,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     prompts = humaneval_prompts(args.prompts)
-    proc, base = start_server(args, out / "web_live_bench.serve.log")
+    log_dir = tempfile.TemporaryDirectory(prefix="web-live-bench-")
+    proc, base = start_server(args, Path(log_dir.name) / "serve.log")
     blocks: dict[str, list[dict]] = {"closed": [], "stream": [], "open": []}
     stream_events = []
     tree_updates = []
@@ -201,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(120)
+        log_dir.cleanup()
 
     def med(cond: str, key: str) -> float:
         return statistics.median(b[key] for b in blocks[cond])
