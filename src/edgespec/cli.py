@@ -361,8 +361,9 @@ def _add_serve(sub) -> None:
     p.add_argument("--max-queue", type=int, default=16, help="requests allowed to wait")
     p.add_argument("--served-name", default=None, help="model id reported to clients")
     p.add_argument("--api-key", default=None,
-                   help="require this bearer token on every endpoint, the web page included "
-                        "(default: $EDGESPEC_API_KEY; set one when --host shares it on the LAN)")
+                   help="require this bearer token on every endpoint, the web page included; "
+                        "without the flag, $EDGESPEC_API_KEY if set. Set one when --host shares "
+                        "the server on the LAN")
 
 
 def _demo(args: argparse.Namespace) -> int:
