@@ -3,9 +3,13 @@ shapes) against a server process over a local ring of two node processes, with t
 Qwen2.5-Coder-0.5B.
 
 Checked: both endpoints streaming and not, usage counts, stop sequences, OpenAI-shaped
-errors, greedy answers equal to the unsplit model's, 8 concurrent clients x 5 requests equal
-to the same requests served alone, and overload: a bounded queue, 429s in OpenAI's shape
-beyond it, every accepted request completed, and a clean shutdown on SIGTERM.
+errors, every request field validated before the ring sees it (a value the stages' sampler
+refuses is a 400 and the ring serves on without a rebuild), the model names clients use, a
+body limit answered from Content-Length, /health answering while a huge prompt is tokenized,
+greedy answers equal to the unsplit model's, 8 concurrent clients x 5 requests equal to the
+same requests served alone, and overload: a bounded queue, 429s in OpenAI's shape beyond it,
+every accepted request completed, and a prompt, clean shutdown on SIGTERM with an answer in
+flight.
 """
 
 from __future__ import annotations
@@ -28,7 +32,16 @@ import pytest
 from proc_helpers import alive, children
 from ring_fixtures import NEAR_TIE, unsplit_greedy
 
-from edgespec.server import _Gate, _sampling_args
+from edgespec.errors import NodeLost, RequestError, RingBusy, RingError, StageFailure
+from edgespec.server import (
+    _BadRequest,
+    _failure,
+    _failure_message,
+    _Gate,
+    _model_names,
+    _sampling_args,
+    parse_request,
+)
 
 openai = pytest.importorskip("openai")
 
@@ -94,24 +107,81 @@ def test_gate_with_no_queue_serves_only_when_idle():
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"temperature": 3}, "temperature"), ({"max_tokens": 0}, "max_tokens"),
+    ({"temperature": 3}, "temperature"), ({"temperature": -0.1}, "temperature"),
+    ({"temperature": "0.7"}, "temperature"), ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": 2.5}, "max_tokens"), ({"top_p": "x"}, "top_p"),
-    ({"stop": [1]}, "stop"), ({"stop": ["a"] * 5}, "stop"), ({"n": 2}, "n"),
-    ({"max_tokens": True}, "max_tokens"),
+    # top_p 0 is what the stages' sampler refuses: it must never get that far.
+    ({"temperature": 0.7, "top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -1}, "top_k"), ({"top_k": 2.5}, "top_k"), ({"seed": "1"}, "seed"),
+    ({"seed": 1 << 64}, "seed"), ({"stop": [1]}, "stop"), ({"stop": ["a"] * 5}, "stop"),
+    ({"n": 2}, "n"), ({"max_tokens": True}, "max_tokens"), ({"stream": "yes"}, "stream"),
+    ({"stream_options": "x"}, "stream_options"),
+    ({"stream_options": {"include_usage": 1}}, "stream_options"),
+    ({"spec": "fast"}, "spec"), ({"model": 5}, "model"),
 ])
 def test_sampling_arguments_are_validated(body, param):
-    from edgespec.server import _BadRequest
+    for chat, base in ((False, {"prompt": "x"}),
+                       (True, {"messages": [{"role": "user", "content": "x"}]})):
+        with pytest.raises(_BadRequest) as err:
+            parse_request({**base, **body}, chat)
+        assert err.value.param == param and err.value.status == 400
+        assert param in str(err.value)
 
+
+@pytest.mark.parametrize("body, chat, param", [
+    (b"{not json", False, None), (b"[1, 2]", True, None), (b"", True, None),
+    (b"{}", True, "messages"), (b"{}", False, "prompt"),
+    (b'{"messages": []}', True, "messages"),
+    (b'{"messages": [{"role": "robot", "content": "hi"}]}', True, "messages"),
+    (b'{"messages": [{"role": "user"}]}', True, "messages"),
+    (b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', True, "messages"),
+    (b'{"messages": "hi"}', True, "messages"), (b'{"prompt": ""}', False, "prompt"),
+    (b'{"prompt": 5}', False, "prompt"), (b'{"prompt": [1, 2]}', False, "prompt"),
+    (b'{"prompt": ["a", "b"]}', False, "prompt"),
+])
+def test_request_shapes_are_validated(body, chat, param):
     with pytest.raises(_BadRequest) as err:
-        _sampling_args(body)
-    assert err.value.param == param
+        parse_request(body, chat)
+    assert err.value.param == param and err.value.status == 400
 
 
-def test_sampling_argument_defaults_and_aliases():
-    args = _sampling_args({"max_completion_tokens": 7, "stop": "\n"})
-    assert args == {"max_tokens": 7, "temperature": 1.0, "top_p": 1.0, "seed": 0,
-                    "stop": ["\n"]}
+def test_valid_requests_and_defaults():
+    args = _sampling_args({"max_completion_tokens": 7, "stop": "\n", "seed": -1})
+    assert args == {"max_tokens": 7, "temperature": 1.0, "top_p": 1.0, "top_k": 0,
+                    "seed": (1 << 64) - 1, "stop": ["\n"]}
     assert _sampling_args({})["max_tokens"] is None  # decided per endpoint and prompt
+    # null means the default, as OpenAI treats it; integers are fine for float fields.
+    args = _sampling_args({"temperature": None, "top_p": 1, "top_k": 40, "n": 1,
+                           "stop": ["a", "b"], "user": "ignored", "max_tokens": 3})
+    assert args == {"max_tokens": 3, "temperature": 1.0, "top_p": 1.0, "top_k": 40,
+                    "seed": 0, "stop": ["a", "b"]}
+    req = parse_request(b'{"messages": [{"role": "system", "content": "s"}, {"role": "user", '
+                        b'"content": [{"type": "text", "text": "a"}, {"type": "text", '
+                        b'"text": "b"}]}], "stream": true, '
+                        b'"stream_options": {"include_usage": true}, "spec": "flow"}', True)
+    assert [m.text() for m in req.messages] == ["s", "ab"]
+    assert req.stream and req.stream_options.include_usage and req.spec == "flow"
+    assert parse_request({"prompt": ["one"]}, False).text() == "one"
+
+
+def test_ring_failures_map_to_statuses():
+    """What a client sees for each failure class the head tells apart."""
+    assert _failure(RequestError("too long", "prompt")) == (400, "invalid_request_error",
+                                                            None, "prompt")
+    assert _failure(StageFailure("decode failed", code="decode_failed"))[:3] == \
+        (500, "server_error", "decode_failed")
+    assert _failure(RingBusy("held by head laptop"))[0] == 503
+    assert "laptop" in _failure_message(RingBusy("held by head laptop"))
+    assert _failure(NodeLost("lost node a"))[0] == 503
+    assert _failure(RingError("no node reachable"))[0] == 503
+    assert _failure(RuntimeError("bug"))[0] == 500
+
+
+def test_model_names_include_registry_name_and_file_name():
+    names = _model_names("served", "qwen2.5-coder-0.5b-instruct",
+                         ["qwen2.5-coder-0.5b", "/m/qwen2.5-coder-0.5b-instruct.gguf"])
+    assert {"served", "qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b-instruct",
+            "qwen2.5-coder-0.5b-instruct.gguf", "/m/qwen2.5-coder-0.5b-instruct.gguf"} <= names
 
 
 # ------------------------------------------------------------------- the server process
@@ -120,7 +190,10 @@ class ServerProcess:
     """`edgespec serve --local 2 --port 0` in a process of its own; the port is read from
     uvicorn's startup line (port 0: no race for a free port)."""
 
-    def __init__(self, tmp: Path, *extra: str) -> None:
+    def __init__(self, tmp: Path, *extra: str, api_key: str | None = None) -> None:
+        self.api_key = api_key
+        if api_key:
+            extra = (*extra, "--api-key", api_key)
         self.log_path = tmp / "serve.log"
         env = dict(os.environ, OMP_WAIT_POLICY="passive", PYTHONUNBUFFERED="1")
         exe = str(Path(sys.executable).with_name("edgespec"))
@@ -139,7 +212,7 @@ class ServerProcess:
             m = re.search(r"Uvicorn running on (http://[\d.]+:\d+)", self.log())
             if m:
                 base = m.group(1)
-                status, body = http("GET", base + "/v1/models")
+                status, body = http("GET", base + "/v1/models", key=self.api_key)
                 assert status == 200, body
                 return base
             if self.proc.poll() is not None:
@@ -148,7 +221,8 @@ class ServerProcess:
         raise AssertionError(f"server not ready in {timeout} s:\n{self.log()}")
 
     def client(self, **kw) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.base + "/v1", api_key="unused", **kw)
+        return openai.OpenAI(base_url=self.base + "/v1", api_key=self.api_key or "unused",
+                             **kw)
 
     def stop(self) -> int:
         """SIGTERM, as a service manager would; returns the exit code."""
@@ -166,11 +240,14 @@ class ServerProcess:
                     os.kill(pid, signal.SIGKILL)
 
 
-def http(method: str, url: str, body: object | bytes | None = None) -> tuple[int, dict]:
-    """A raw request: (status, parsed JSON body)."""
+def http(method: str, url: str, body: object | bytes | None = None,
+         key: str | None = None) -> tuple[int, dict]:
+    """A raw request: (status, parsed JSON body); ``key``: sent as a bearer token."""
     data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=300) as resp:
             return resp.status, json.loads(resp.read())
@@ -317,10 +394,6 @@ def test_completion_usage_and_stop_sequence(server, alone):
 def test_errors_have_openais_shape(server):
     client = server.client(max_retries=0)
     model = MODEL
-    with pytest.raises(openai.NotFoundError) as e:
-        client.chat.completions.create(model="gpt-4", messages=[{"role": "user",
-                                                                  "content": "hi"}])
-    assert e.value.code == "model_not_found" and e.value.param == "model"
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=model, prompt="x " * 4000, max_tokens=200)
     assert e.value.code == "context_length_exceeded"
@@ -337,6 +410,8 @@ def test_errors_have_openais_shape(server):
             ("POST", "/v1/chat/completions", b"{not json", 400),
             ("POST", "/v1/completions", {"prompt": 5}, 400),
             ("POST", "/v1/completions", {"prompt": "x", "temperature": -1}, 400),
+            ("POST", "/v1/completions", {"prompt": "x", "top_k": -1}, 400),
+            ("POST", "/v1/chat/completions", {"messages": [{"role": "user"}]}, 400),
             ("GET", "/v1/nowhere", None, 404),
             ("GET", "/v1/completions", None, 405)]:
         status, got = http(method, server.base + path, body)
@@ -346,6 +421,95 @@ def test_errors_have_openais_shape(server):
     # The ring is unharmed by the refused requests.
     status, health = http("GET", server.base + "/health")
     assert health["serving"] == 0 and health["queued"] == 0
+
+
+@pytest.mark.real_model
+def test_a_value_the_sampler_refuses_is_a_400_and_the_ring_serves_on(server, alone):
+    """temperature 0.7 with top_p 0 used to reach the last stage, whose sampler refused it,
+    and the head rebuilt the ring over and over: now it is the caller's 400, at once."""
+    _, before = http("GET", server.base + "/health")
+    for path, body in [
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": CHAT[0]}],
+                                      "temperature": 0.7, "top_p": 0, "max_tokens": 8}),
+            ("/v1/completions", {"prompt": COMPLETE[0], "temperature": 0.7, "top_p": 0,
+                                 "max_tokens": 8, "stream": True})]:
+        status, got = http("POST", server.base + path, body)
+        assert status == 400, got
+        assert got["error"]["param"] == "top_p" and "top_p" in got["error"]["message"]
+    kind, prompt = REQUESTS[0]
+    assert ask(server.client(), kind, prompt, stream=False) == alone[(kind, prompt)]
+    _, after = http("GET", server.base + "/health")
+    assert after["recoveries"] == before["recoveries"] == 0  # nothing was rebuilt
+    assert after["completed"] == before["completed"] + 1
+
+
+@pytest.mark.real_model
+def test_model_names_clients_use_are_served(server, alone):
+    """The registry name given to --model, the file's name, and (one model served) any
+    other name, with a warning in the log."""
+    client = server.client(max_retries=0)
+    kind, prompt = REQUESTS[0]
+    for name in ("qwen2.5-coder-0.5b", MODEL + ".gguf", "gpt-4"):
+        assert ask(client, kind, prompt, stream=False, model=name) == alone[(kind, prompt)]
+    log = server.log()
+    assert "request for model 'gpt-4'" in log
+    assert "request for model 'qwen2.5-coder-0.5b" not in log  # known names: no warning
+
+
+@pytest.mark.real_model
+def test_oversized_body_is_refused_before_it_is_read(server):
+    """413 from the Content-Length alone: the test sends the headers of a 64 MiB body and
+    none of it, and the answer still comes."""
+    host, port = server.base.split("//")[1].split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n"
+                     f"Content-Type: application/json\r\nContent-Length: {64 << 20}\r\n\r\n"
+                     '{"prompt": "'.encode())
+        reply = b""
+        while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+            part = sock.recv(65536)
+            if not part:
+                break
+            reply += part
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413"), reply[:200]
+    err = json.loads(body)["error"]
+    assert err["code"] == "request_too_large" and set(err) == {"message", "type", "param",
+                                                               "code"}
+    _, health = http("GET", server.base + "/health")
+    assert health["status"] == "ok"
+
+
+@pytest.mark.real_model
+def test_health_answers_while_a_huge_prompt_is_tokenized(server):
+    """A prompt just under the body limit takes about a second to tokenize; /health keeps
+    answering meanwhile (tokenization runs off the event loop), and the prompt is then
+    refused as too long for the context."""
+    prompt = "def f(x): return x + 1\n" * ((4 << 20) // 24 - 100)  # 24 bytes in JSON
+    sock = _raw_post(server.base, "/v1/completions", {"prompt": prompt, "max_tokens": 4})
+    reply = bytearray()
+
+    def read() -> None:
+        while part := sock.recv(65536):
+            reply.extend(part)
+            if reply.rstrip().endswith(b"}"):
+                break
+
+    t = threading.Thread(target=read)
+    t.start()
+    answered_meanwhile = 0  # the whole body was sent before the first of these
+    while t.is_alive():
+        status, health = http("GET", server.base + "/health")
+        if t.is_alive():
+            answered_meanwhile += status == 200 and health["status"] == "ok"
+    t.join()
+    sock.close()
+    head, _, body = bytes(reply).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), head
+    assert json.loads(body)["error"]["code"] == "context_length_exceeded"
+    print("health answers during tokenization:", answered_meanwhile)
+    # On the event loop, tokenization held every /health until it was done.
+    assert answered_meanwhile >= 20
 
 
 @pytest.mark.real_model
@@ -499,11 +663,28 @@ def test_overload_bounded_queue_429_and_clean_shutdown(tmp_path):
             alone_chat[CHAT[0]]["text"]
         nodes = list(srv.nodes)
         assert len(nodes) == 2
+
+        # SIGTERM with an answer in flight that asked for 3000 tokens: the answer ends at
+        # the next round, cleanly, and the server exits, closes the ring and ends its node
+        # processes (stop() allows 60 s; the full answer would take minutes).
+        long_req = urllib.request.Request(
+            srv.base + "/v1/completions", method="POST",
+            headers={"Content-Type": "application/json"},
+            data=json.dumps({"prompt": "1, 2, 3, 4, 5, 6, 7, 8,", "max_tokens": 3000,
+                             "temperature": 0, "stream": True,
+                             "stream_options": {"include_usage": True}}).encode())
+        in_flight = urllib.request.urlopen(long_req, timeout=300)
+        assert in_flight.readline().startswith(b"data: ")
     except BaseException:
         srv.stop()
         raise
-    # SIGTERM: the server shuts down, closes the ring and ends its node processes.
     assert srv.stop() == 0, srv.log()
+    events = [line[6:] for line in in_flight.read().decode().splitlines()
+              if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    usage = json.loads(events[-2])["usage"]
+    assert 0 < usage["completion_tokens"] < 3000
+    assert json.loads(events[-3])["choices"][0]["finish_reason"] == "stop"
     deadline = time.monotonic() + 30
     while any(alive(p) for p in nodes) and time.monotonic() < deadline:
         time.sleep(0.2)

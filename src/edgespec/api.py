@@ -396,6 +396,81 @@ class Ring:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    # ---------------------------------------------------------------- observing
+
+    def describe(self, probe: bool = True) -> dict[str, Any]:
+        """A snapshot of the ring: model, mode, drafter, and per stage (in ring order) its
+        layer window, node, address, device (backend, free RAM/VRAM), whether it answers,
+        the head's round trip to it and its compute counters (batches, busy seconds: rates
+        come from two snapshots). ``status`` is "up", or "down" with a ``message`` and a
+        ``hint`` on bringing it back. ``probe``: ask every node for its health now (one
+        control round trip each); else only what the head already knows.
+
+        The one source of what the ring looks like: ``edgespec serve``'s ``/v1/ring`` and
+        its web page show exactly this."""
+        chain = self.chain
+        out: dict[str, Any] = {
+            "model": self.model_name, "n_ctx": self.n_ctx, "spec": self.default_spec,
+            "drafter": _drafter_name(self._drafter), "status": "up", "message": None,
+            "hint": None, "recoveries": list(self.recovery_log), "time": time.time()}
+        plan = getattr(chain, "plan", None)
+        members = getattr(chain, "members", None)
+        if plan is None or members is None:  # every window in this process
+            runtimes = getattr(getattr(chain, "worker", None), "runtimes", [])
+            out["stages"] = [{"stage": i, "layers": list(getattr(rt, "layer_range", (0, 0))),
+                              "node": "this process", "address": None, "alive": True,
+                              "backend": None, "free_ram": None, "free_vram": None,
+                              "rtt_ms": None, "batches": None, "busy_s": None}
+                             for i, rt in enumerate(runtimes)]
+            return out
+        health: dict[int, dict] = {}
+        if probe:
+            for i, m in enumerate(members):
+                if m.alive:
+                    with contextlib.suppress(Exception):  # a silent node shows as unknown
+                        health[i] = dict(m.request("health", timeout=2.0).meta)
+        stages = []
+        for w in plan.windows:
+            m = members[w.node]
+            h = health.get(w.node, {})
+            st = (h.get("stages") or {}).get(str(w.stage), {})
+            stages.append({
+                "stage": w.stage, "layers": [w.start, w.stop], "node": m.name,
+                "address": f"{m.address[0]}:{m.address[1]}", "alive": bool(m.alive),
+                "backend": h.get("backend"), "free_ram": h.get("free_ram"),
+                "free_vram": h.get("free_vram"), "rtt_ms": round(m.last_rtt_ms, 3),
+                "batches": st.get("batches"), "busy_s": st.get("busy_s")})
+        out["stages"] = stages
+        lost = sorted({s["node"] for s in stages if not s["alive"]})
+        if lost:
+            hint = ("start `edgespec node` again on those devices, then "
+                    "`edgespec ring rebalance` (or `edgespec ring up`)")
+            if self._recover is not None:
+                hint = ("the next request re-plans the ring over the nodes still up; or "
+                        + hint)
+            out.update(status="down", message=f"lost node(s): {', '.join(lost)}", hint=hint)
+        return out
+
+    def add_listener(self, fn: Callable[[dict], None]) -> None:
+        """Call ``fn(event)`` on the generating thread for every tree event: rows sent
+        (``rows``: node, parent, token), partial verification (``verify``: accepted path,
+        rejected rows), a round's decision (``decide``: path, bonus token) and plain one-token
+        laps (``plain``). ``fn`` must be quick; with no listener no event is built."""
+        self.engine.listeners.append(fn)
+
+    def remove_listener(self, fn: Callable[[dict], None]) -> None:
+        with contextlib.suppress(ValueError):
+            self.engine.listeners.remove(fn)
+
+
+def _drafter_name(drafter: Any) -> str | None:
+    """How the page and ``describe`` name the head's drafter."""
+    if drafter is None:
+        return None
+    path = getattr(drafter, "model_path", None)
+    kind = type(drafter).__name__.replace("Drafter", "").lower().replace("draftmodel", "model")
+    return f"{kind} ({Path(path).name})" if path is not None else kind
+
 
 def _gen_defaults(kwargs: dict[str, Any]) -> dict[str, Any]:
     out = {"max_tokens": 128, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0,

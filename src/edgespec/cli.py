@@ -551,26 +551,36 @@ def _check_port_free(host: str, port: int) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import os
+
     from .server import serve
 
     _check_port_free(args.host, args.port)
     with _open_ring(args) as ring:
+        # --model is what the user calls the model (a registry name or a path): clients
+        # may use it as the model id too.
         serve(ring, args.served_name or ring.model_name, host=args.host, port=args.port,
-              max_queue=args.max_queue)
+              max_queue=args.max_queue, aliases=[args.model],
+              api_key=args.api_key or os.environ.get("EDGESPEC_API_KEY") or None)
     return 0
 
 
 def _add_serve(sub) -> None:
     p = _add(sub, "serve", "OpenAI-compatible HTTP server over the ring",
-             "Serves /v1/models, /v1/completions and /v1/chat/completions (with streaming). "
-             "Requests run one at a time in arrival order; beyond --max-queue waiting "
-             "requests the server answers 429.", func=_serve)
+             "Serves /v1/models, /v1/completions and /v1/chat/completions (with streaming), "
+             "and a web page at / (chat, the ring drawn live, the token tree, session "
+             "charts; live data: /v1/ring). Requests run one at a time in arrival order; "
+             "beyond --max-queue waiting requests the server answers 429.", func=_serve)
     _add_ring_choice(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8080, help="port to listen on")
     p.add_argument("--max-queue", type=int, default=16, help="requests allowed to wait")
     p.add_argument("--served-name", default=None,
                    help="model id reported to clients (default: the model file's name)")
+    p.add_argument("--api-key", default=None,
+                   help="require this bearer token on every endpoint, the web page included; "
+                        "without the flag, $EDGESPEC_API_KEY if set. Set one when --host shares "
+                        "the server on the LAN")
 
 
 def _demo(args: argparse.Namespace) -> int:

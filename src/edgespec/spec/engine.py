@@ -228,6 +228,8 @@ class SpecEngine:
         self._plain_rounds = 0
         self._room = 0
         self._last_choice: tuple | None = None
+        # Observers of tree events (the server's live view); empty: no event is even built.
+        self.listeners: list[Callable[[dict], None]] = []
 
     # ------------------------------------------------------------------ public
 
@@ -455,6 +457,8 @@ class SpecEngine:
         self.stats.accepted_hist[1] += 1
         self._commit([root])
         token = int(res.targets[0])
+        if self.listeners:
+            self._emit({"e": "plain", "lap": int(res.lap), "root": int(root), "token": token})
         if tell_drafter and self.drafter is not None:
             td = time.perf_counter()
             self.drafter.accept([token])
@@ -507,6 +511,10 @@ class SpecEngine:
                                np.ones(b - a, bool), lap=rnd.lap, segment=seg, pre_ops=kv,
                                sampling=sampling))
             kv = []
+            if self.listeners:
+                self._emit({"e": "rows", "lap": rnd.lap, "segment": seg, "rows": list(zip(
+                    range(a, b), parents_all[a:b].tolist(), tokens_all[a:b].tolist(),
+                    strict=True))})
         rnd.sent_rows = stop
 
     def _finish_round(self, rnd: _Round, decision) -> list[int]:
@@ -520,6 +528,9 @@ class SpecEngine:
         tokens = [int(t) for t in plan.tokens]
         self._commit([root_token, *tokens])
         gained = [*tokens, int(decision.bonus)]
+        if self.listeners:
+            self._emit({"e": "decide", "lap": rnd.lap, "accepted": path,
+                        "bonus": int(decision.bonus)})
         self.stats.rounds += 1
         self.stats.accepted_hist[len(gained)] += 1
         td = time.perf_counter()
@@ -656,6 +667,9 @@ class SpecEngine:
             self._pending_ops.extend(_op_from_core(op) for op in np.asarray(plan.ops).reshape(-1, 5))
         rnd.frontier = int(d.path[-1])
         rnd.frontier_tokens = [int(t) for t in d.tokens]
+        if self.listeners:
+            self._emit({"e": "verify", "lap": rnd.lap, "accepted": [int(r) for r in d.path],
+                        "rejected": dead.tolist()})
 
     #: Draft ahead only while the next row is at least this likely to be needed: by the
     #: measured top-1 acceptance (_ahead_limit) and by the draft's own odds of the path to it.
@@ -726,6 +740,14 @@ class SpecEngine:
 
 
 # ---------------------------------------------------------------------- glue to the core
+    def _emit(self, event: dict) -> None:
+        """Hand a tree event to every listener; a failing listener never stops decoding."""
+        for fn in list(self.listeners):
+            try:
+                fn(event)
+            except Exception:  # an observer's bug must not end a generation
+                log.exception("tree event listener failed")
+
 
 def sampling_config(s: Sampling) -> core.SamplerConfig:
     return core.SamplerConfig(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,

@@ -1,0 +1,82 @@
+"""The server app without a browser or the real model: the ASGI app of `edgespec serve`
+(FastAPI's TestClient drives it in-process) over a real in-process ring of a tiny float32
+model. Checks what the page and API clients rely on: the key on every endpoint, the page's
+files, /v1/ring's snapshot and generation records, and a speculative mode the ring cannot
+run refused as the caller's mistake."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+from tinygguf import make_tiny_gguf
+
+from edgespec.api import Ring
+from edgespec.server import create_app
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    target = make_tiny_gguf(tmp_path_factory.mktemp("app") / "tiny.gguf", "qwen2", n_layer=4,
+                            n_embd=64, seed=3)
+    with Ring.local(target, stages=2, processes=False, n_ctx=512) as r:
+        yield r
+
+
+PATHS = ["/", "/web/app.js", "/web/markdown.js", "/web/style.css", "/v1/ring", "/v1/models",
+         "/health"]
+
+
+def test_page_files_and_ring_snapshot(base):
+    client = TestClient(create_app(base, "tiny"))
+    page = client.get("/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    for name in ("app.js", "markdown.js", "style.css"):
+        assert f"web/{name}" in page.text
+        assert client.get(f"/web/{name}").status_code == 200
+    assert client.get("/web/../server.py").status_code == 404
+    assert client.get("/web/nothing.js").json()["error"]["type"] == "invalid_request_error"
+
+    snap = client.get("/v1/ring").json()
+    assert snap["status"] == "up" and snap["model"] == "tiny"
+    assert [s["layers"] for s in snap["stages"]] == [[0, 2], [2, 4]]
+    assert snap["history"] == [] and snap["serving"] == 0
+    r = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 5,
+                                             "temperature": 0, "spec": "sync"})
+    assert r.status_code == 200, r.text
+    gen = client.get("/v1/ring").json()["history"][-1]
+    assert gen["mode"] == "sync" and gen["tokens"] == r.json()["usage"]["completion_tokens"]
+    assert gen["ttft_ms"] > 0 and gen["tokens_per_lap"] > 0 and gen["kind"] == "completion"
+
+
+def test_a_mode_the_ring_cannot_run_is_the_callers_400(base):
+    no_drafter = Ring(base.chain, base.tokenizer, model_name="tiny")
+    client = TestClient(create_app(no_drafter, "tiny"))
+    r = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3,
+                                             "spec": "flow"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "spec" and "drafter" in r.json()["error"]["message"]
+    assert client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3,
+                                                "spec": "none"}).status_code == 200
+
+
+def test_api_key_on_every_endpoint(base):
+    key = "s3cret-key"
+    client = TestClient(create_app(base, "tiny", api_key=key))
+    for path in PATHS + ["/v1/ring/events", "/nowhere"]:
+        for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": key},
+                        {"Cookie": "edgespec_key=nope"}):
+            r = client.get(path, headers=headers)
+            assert r.status_code == 401, (path, headers)
+            assert r.headers["www-authenticate"] == "Bearer"
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        r = client.post(path, json={"prompt": "hi"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    # The page without the key: a form asking for it (and nothing of the ring).
+    login = client.get("/")
+    assert "password" in login.text and "tiny" not in login.text
+    for path in PATHS:
+        assert client.get(path, headers={"Authorization": f"Bearer {key}"}).status_code == 200
+        assert client.get(path, headers={"Cookie": f"edgespec_key={key}"}).status_code == 200
+    r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                    headers={"Authorization": f"Bearer {key}"})
+    assert r.status_code == 200, r.text
