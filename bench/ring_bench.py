@@ -64,7 +64,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-# Several llama.cpp contexts share the cores: passive OpenMP waiting (DESIGN 3.7), before any
+# Several llama.cpp contexts share the cores: passive OpenMP waiting (docs/design.md 3.7), before any
 # llama_cpp import (edgespec.llamacpp sets it too).
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
@@ -209,7 +209,7 @@ def link_bytes(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, i
 @contextlib.contextmanager
 def _no_extra_bufts() -> Iterator[None]:
     """``llama_cpp.Llama`` has no ``use_extra_bufts`` argument; its AMX path segfaults on AMX
-    Xeons (DESIGN 3.6). Hand it default model params with extra buffer types as the ring's
+    Xeons (docs/design.md 3.6). Hand it default model params with extra buffer types as the ring's
     stages get them (edgespec.llamacpp.extra_bufts_default) while it loads."""
     import llama_cpp.llama_cpp as ll
 

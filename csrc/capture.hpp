@@ -1,6 +1,6 @@
 // Hidden-state capture for a non-last stage: a llama.cpp eval callback (ggml_backend_sched_eval_callback)
 // that claims exactly one tensor, `l_out-{k-1}` (the residual stream after the window's last layer),
-// copies it into a buffer owned here and ends the graph split (DESIGN 3.2).
+// copies it into a buffer owned here and ends the graph split (docs/design.md 3.2).
 //
 // Nothing here links llama.cpp or ggml: the three ggml functions the callback needs are handed in as
 // addresses at run time (read with ctypes from libggml-base.so), so the core builds without llama.cpp

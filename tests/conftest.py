@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 # Several llama.cpp contexts share 2 cores in the tests: passive OpenMP waiting avoids the
-# busy-wait slowdown measured in DESIGN section 3.7.
+# busy-wait slowdown measured in docs/design.md 3.7.
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 

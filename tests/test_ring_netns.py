@@ -72,7 +72,7 @@ def _env(home: Path) -> dict[str, str]:
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env["EDGESPEC_HOME"] = str(home)
     env.pop("EDGESPEC_KEY_FILE", None)  # every command names its key file explicitly
-    # Four llama.cpp contexts share the cores: passive OpenMP waiting (DESIGN 3.7).
+    # Four llama.cpp contexts share the cores: passive OpenMP waiting (docs/design.md 3.7).
     env["OMP_WAIT_POLICY"] = "passive"
     return env
 

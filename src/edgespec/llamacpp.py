@@ -3,11 +3,11 @@
 Every other module calls these helpers instead of llama_cpp directly, so the machine-specific
 safety settings live in one spot:
 
-* ``OMP_WAIT_POLICY=passive`` is set *before* llama_cpp is imported (DESIGN 3.7): with OpenMP's
+* ``OMP_WAIT_POLICY=passive`` is set *before* llama_cpp is imported (docs/design.md 3.7): with OpenMP's
   default busy-waiting, several stage contexts on one host spin against each other and one decode
   took 2.2 s instead of 66 ms. ``os.environ.setdefault`` keeps a value the user chose.
 * CPU "extra buffer types" (weight repacking, AMX) are OFF on CPUs with AMX, because the AMX path
-  segfaults in ``ggml_backend_amx_mul_mat`` on those Xeons (DESIGN 3.6), and ON elsewhere:
+  segfaults in ``ggml_backend_amx_mul_mat`` on those Xeons (docs/design.md 3.6), and ON elsewhere:
   repacked Q4_0/Q4_K kernels decode 1.2-1.8x faster on an AMD EPYC (measured, see
   :func:`extra_bufts_default`). ``EDGESPEC_EXTRA_BUFTS=0|1`` or ``use_extra_bufts=`` decide
   explicitly.
@@ -168,7 +168,7 @@ def cpu_has_amx(cpuinfo: str = "/proc/cpuinfo") -> bool:
 
 
 def extra_bufts_default() -> bool:
-    """CPU extra buffer types unless the CPU has AMX (the crash of DESIGN 3.6).
+    """CPU extra buffer types unless the CPU has AMX (the crash of docs/design.md 3.6).
 
     ``EDGESPEC_EXTRA_BUFTS=1`` / ``=0`` overrides. Measured on the 2-core AMD EPYC (1 thread, ms
     per decode of 1 token): Qwen2.5-Coder-1.5B Q4_K_M 61.0 off / 49.7 on; a Q4_0 0.5B 31.1 / 18.1.
@@ -257,7 +257,7 @@ def load_model(
         path: the GGUF file (full model or a shard written by :mod:`edgespec.shard`).
         n_gpu_layers: layers to offload to a GPU backend (-1 = all); ignored on CPU-only builds.
         use_extra_bufts: CPU extra buffer types (repacking, AMX). None =
-            :func:`extra_bufts_default` (on unless the CPU has AMX, which segfaults, DESIGN 3.6).
+            :func:`extra_bufts_default` (on unless the CPU has AMX, which segfaults, docs/design.md 3.6).
         vocab_only: load only the vocabulary (enough for a head's tokenizer).
 
     Raises:
@@ -361,7 +361,7 @@ def new_context(
         n_ubatch: physical micro-batch (default ``n_batch``: one graph per decode).
         n_seq_max: sequence ids available (tree leaves + 1 for speculative trees, <= 256).
         kv_unified: one KV buffer for all sequences; required for trees whose tokens carry several
-            seq ids (DESIGN 3.4).
+            seq ids (docs/design.md 3.4).
         n_threads: compute threads (default :func:`default_threads`).
         cb_eval: eval callback: a C function address (int) or a ctypes
             ``ggml_backend_sched_eval_callback`` object; see :mod:`edgespec._core` ``HiddenCapture``.

@@ -67,7 +67,7 @@ def _parts(prefix: str, version: str, sizes: list[int]) -> tuple[ModelPart, ...]
     )
 
 
-# Sizes and hashes were measured on the assembled files (see DESIGN section 4).
+# Sizes and hashes were measured on the assembled files (see docs/design.md 4).
 REGISTRY: dict[str, ModelSpec] = {
     spec.name: spec
     for spec in (

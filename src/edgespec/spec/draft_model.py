@@ -5,7 +5,7 @@ A heap holds the candidate children (top-``top_k`` of each decoded node's distri
 step pops the ``width`` best candidates, makes them tree nodes, and decodes those that may still
 get children in **one** ``llama_decode`` call, so a tree of B nodes costs about B / width calls.
 
-KV layout (one llama.cpp context, ``kv_unified=True``, DESIGN 3.4-3.5):
+KV layout (one llama.cpp context, ``kv_unified=True``, docs/design.md 3.4-3.5):
 
 * seq 0 holds the committed text (prompt + accepted tokens) that the draft model has processed;
 * every decoded tree node sits in a *tree sequence*: the first child of a node continues its
@@ -31,7 +31,7 @@ from pathlib import Path as FsPath
 import numpy as np
 
 # isort: off
-# edgespec.llamacpp must be imported before llama_cpp: it sets OMP_WAIT_POLICY first (DESIGN 3.7).
+# edgespec.llamacpp must be imported before llama_cpp: it sets OMP_WAIT_POLICY first (docs/design.md 3.7).
 from edgespec.llamacpp import Context, Model, load_model, new_context
 import llama_cpp
 from edgespec.models import ModelError
@@ -162,7 +162,7 @@ class DraftModelDrafter(Drafter):
         top_k: children considered under each decoded node.
         width: candidates turned into nodes (and decoded together) per ``llama_decode`` call.
         max_tree_seqs: tree sequences (about the number of branches) one round may use.
-        n_threads: llama.cpp threads (1 when several contexts share a small host, DESIGN 3.7).
+        n_threads: llama.cpp threads (1 when several contexts share a small host, docs/design.md 3.7).
         n_batch: tokens per decode call when catching up with long prompts.
     """
 
@@ -191,7 +191,7 @@ class DraftModelDrafter(Drafter):
         self._model: Model | None = None
         self._ctx: Context | None = None
         self._batch: llama_cpp.llama_batch | None = None
-        self._model = load_model(self.model_path)  # extra buffers unless AMX (DESIGN 3.6)
+        self._model = load_model(self.model_path)  # extra buffers unless AMX (docs/design.md 3.6)
         try:
             self.fingerprint = _fingerprint_of(self._model)
             # Proposals stay inside both vocabularies (padding may differ in size).
@@ -208,7 +208,7 @@ class DraftModelDrafter(Drafter):
             self.n_vocab = self.fingerprint.n_vocab
             self.n_ctx = n_ctx
             self._n_batch = max(n_batch, width, 1)
-            # Unified KV: tree nodes share cells across sequences (DESIGN 3.4).
+            # Unified KV: tree nodes share cells across sequences (docs/design.md 3.4).
             self._ctx = new_context(
                 self._model,
                 n_ctx=n_ctx,
