@@ -1,0 +1,97 @@
+"""Measured gain: does drafting pay on this ring, for this generation, right now?
+
+A cost model predicts; this meter checks. It times every round as the caller sees it (from the
+round's start to the moment the caller asks for more, so drafting, verification, pruned rows
+and results of decided trees still in flight all count) and compares the tokens per second of
+recent tree rounds with the wall time of a plain lap (one token, no tree). When trees do not
+beat plain laps, the engine decodes plain laps (exactly mode ``none``) and probes with a short
+trial of tree rounds now and then, backing off each time the probe loses, so a useless drafter
+costs a few rounds per generation and a useful one is found again when it starts to help
+(a prompt that begins to repeat its own text, say).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+
+class GainMeter:
+    """Chooses between a tree round and a plain round from measured rates.
+
+    ``plain_ms`` (a plain lap's wall time) is a property of the ring and persists across
+    generations; everything about the drafter's usefulness starts afresh with ``begin``.
+    """
+
+    #: Tree rounds in one trial (the first of a generation and every probe). Short on purpose:
+    #: a round of a useless drafter costs more than a plain lap and gains the same one token.
+    TRIAL = 2
+    #: Tree rounds the running judgement looks back on while trees are winning.
+    WINDOW = 8
+    #: Plain rounds after a lost trial before the next probe; doubled after every lost probe
+    #: (up to MAX_WAIT) and reset by a won one.
+    FIRST_WAIT = 8
+    MAX_WAIT = 64
+    #: Weight of the newest plain lap in the running mean of ``plain_ms``.
+    ALPHA = 0.25
+
+    def __init__(self) -> None:
+        self.plain_ms: float | None = None
+        self.begin()
+
+    def begin(self) -> None:
+        """A new generation: judge the drafter from scratch (one trial first)."""
+        self._tree: deque[tuple[int, float]] = deque(maxlen=self.WINDOW)
+        self._trial_left = self.TRIAL
+        self._wait = 0
+        self._backoff = self.FIRST_WAIT
+        self.probes = 0
+
+    def want_tree(self) -> bool:
+        """Whether the next round should be a tree round."""
+        if self.plain_ms is None:
+            return False  # measure one plain lap first: nothing to compare with otherwise
+        if self._trial_left > 0:
+            return True
+        if self._wait > 0:
+            self._wait -= 1
+            if self._wait == 0:  # probe: a fresh trial, judged on its own rounds
+                self._tree.clear()
+                self._trial_left = self.TRIAL
+                self.probes += 1
+            return False
+        if self.pays():
+            self._backoff = self.FIRST_WAIT
+            return True
+        self._wait = self._backoff
+        self._backoff = min(2 * self._backoff, self.MAX_WAIT)
+        return False
+
+    def pays(self) -> bool:
+        """Recent tree rounds gained more than one token per round and more tokens per second
+        than plain laps do."""
+        if not self._tree or self.plain_ms is None:
+            return False
+        tokens = sum(t for t, _ in self._tree)
+        seconds = sum(s for _, s in self._tree)
+        if tokens <= len(self._tree):  # one token per round: what a plain lap gives
+            return False
+        return tokens / max(seconds, 1e-9) > 1e3 / self.plain_ms
+
+    def record_plain(self, seconds: float) -> None:
+        ms = seconds * 1e3
+        self.plain_ms = ms if self.plain_ms is None else (
+            (1 - self.ALPHA) * self.plain_ms + self.ALPHA * ms)
+
+    def record_tree(self, tokens: int, seconds: float) -> None:
+        self._tree.append((tokens, seconds))
+        self._trial_left = max(0, self._trial_left - 1)
+
+    def charge_tree(self, seconds: float) -> None:
+        """Time spent on tree rounds after they ended (draining their rows still in flight)."""
+        if self._tree:
+            tokens, s = self._tree[-1]
+            self._tree[-1] = (tokens, s + seconds)
+
+    def as_dict(self) -> dict:
+        return {"plain_lap_ms": None if self.plain_ms is None else round(self.plain_ms, 2),
+                "probes": self.probes, "trees_pay": self.pays()}

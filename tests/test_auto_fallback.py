@@ -1,0 +1,106 @@
+"""``auto``/``flow`` without a useful drafter decode like mode ``none``: after a short trial
+the engine measures that trees do not pay and decodes plain laps (probing now and then), with
+exactly the tokens of mode ``none``; a useful drafter keeps its trees."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+from tinygguf import make_tiny_gguf
+
+from edgespec.api import Ring
+from edgespec.chain import Sampling
+from edgespec.spec import Drafter, DraftModelDrafter, DraftTree
+from edgespec.spec.engine import SpecEngine
+
+
+class WrongDrafter(Drafter):
+    """Always drafts a token the target does not pick (greedy): the reference continuation's
+    next token plus one. A drafter that never helps, as retrieval is on fresh text."""
+
+    def __init__(self, reference: Sequence[int], n_vocab: int) -> None:
+        super().__init__()
+        self.reference = list(reference)
+        self.n_vocab = n_vocab
+        self._hist: list[int] = []
+
+    def begin(self, prompt_tokens: Sequence[int]) -> None:
+        self._hist = [int(t) for t in prompt_tokens]
+
+    def _wrong(self) -> int:
+        i = len(self._hist)
+        right = self.reference[i] if i < len(self.reference) else 0
+        return (right + 1) % self.n_vocab
+
+    def propose(self, root: int, budget: int, max_depth: int) -> DraftTree:
+        self._check_root(root)
+        return DraftTree.from_nodes([(-1, self._wrong(), -0.1)])
+
+    def propose_under(self, path: Sequence[int], budget: int, max_depth: int) -> DraftTree:
+        return DraftTree.empty()
+
+    def accept(self, accepted_tokens: Sequence[int]) -> None:
+        self._hist.extend(int(t) for t in accepted_tokens)
+
+    @property
+    def history(self) -> Sequence[int]:
+        return self._hist
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    return make_tiny_gguf(tmp_path_factory.mktemp("auto") / "target.gguf", "qwen2", n_layer=4,
+                          n_embd=64, seed=3)
+
+
+@pytest.fixture(scope="module")
+def ring(tiny_target):
+    with Ring.local(tiny_target, stages=2, processes=False, n_ctx=1024) as r:
+        yield r
+
+
+def _prompt(ring: Ring) -> list[int]:
+    rng = np.random.default_rng(1)
+    return [int(t) for t in rng.integers(3, ring.tokenizer.n_vocab, 16)]
+
+
+def _decode(engine: SpecEngine, prompt: list[int], n: int, mode: str) -> list[int]:
+    engine.reset()
+    return [t for chunk in engine.run(prompt, max_tokens=n, sampling=Sampling(), mode=mode)
+            for t in chunk]
+
+
+@pytest.mark.parametrize("mode", ["auto", "flow"])
+def test_useless_drafter_decodes_plain_laps(ring, mode):
+    prompt = _prompt(ring)
+    n = 64
+    # The engine itself, no end-of-generation token: every generation is n laps long.
+    ref = _decode(SpecEngine(ring.chain, n_ctx=1024), prompt, n, "none")
+    engine = SpecEngine(ring.chain, n_ctx=1024,
+                        drafter=WrongDrafter(prompt + ref, ring.tokenizer.n_vocab))
+    for generation in range(2):  # each generation judges the drafter afresh
+        assert _decode(engine, prompt, n, mode) == ref
+        s = engine.stats
+        assert s.mode == "flow"
+        trees = s.rounds - s.plain_rounds
+        # A first trial of 2 tree rounds, then probes of 2 after 8, 16, 32 plain laps.
+        assert 1 <= trees <= 6, f"generation {generation}: {trees} tree rounds of {s.rounds}"
+        assert s.plain_rounds >= n - 6
+        assert s.probes >= 1
+        assert s.as_dict()["plain_rounds"] == s.plain_rounds
+
+
+def test_useful_drafter_keeps_its_trees(ring, tiny_target):
+    """The target drafting for itself: every draft is right, so trees keep paying."""
+    drafter = DraftModelDrafter(tiny_target, target=tiny_target)
+    try:
+        engine = SpecEngine(ring.chain, n_ctx=1024, drafter=drafter)
+        _decode(engine, _prompt(ring), 64, "auto")
+        s = engine.stats
+        assert s.mode == "flow"
+        assert s.mean_accepted > 1.5
+        assert s.rounds - s.plain_rounds > s.plain_rounds
+    finally:
+        drafter.close()
