@@ -80,16 +80,19 @@ def test_useless_drafter_decodes_plain_laps(ring, mode):
     ref = _decode(SpecEngine(ring.chain, n_ctx=1024), prompt, n, "none")
     engine = SpecEngine(ring.chain, n_ctx=1024,
                         drafter=WrongDrafter(prompt + ref, ring.tokenizer.n_vocab))
-    for generation in range(2):  # each generation judges the drafter afresh
+    # First generation: a trial round, then probes after 9, 17, 33 plain laps.
+    # Second: its own trial round (the drafter may suit this prompt), then the probing
+    # interval the first one reached (64).
+    for generation, most in ((0, 5), (1, 2)):
         assert _decode(engine, prompt, n, mode) == ref
         s = engine.stats
         assert s.mode == "flow"
         trees = s.rounds - s.plain_rounds
-        # A first trial of 2 tree rounds, then probes of 2 after 8, 16, 32 plain laps.
-        assert 1 <= trees <= 6, f"generation {generation}: {trees} tree rounds of {s.rounds}"
-        assert s.plain_rounds >= n - 6
-        assert s.probes >= 1
+        assert 1 <= trees <= most, f"generation {generation}: {trees} tree rounds of {s.rounds}"
+        assert s.plain_rounds >= n - most
         assert s.as_dict()["plain_rounds"] == s.plain_rounds
+        if generation == 0:
+            assert s.probes >= 1
 
 
 def test_useful_drafter_keeps_its_trees(ring, tiny_target):

@@ -4,10 +4,11 @@ A cost model predicts; this meter checks. It times every round as the caller see
 round's start to the moment the caller asks for more, so drafting, verification, pruned rows
 and results of decided trees still in flight all count) and compares the tokens per second of
 recent tree rounds with the wall time of a plain lap (one token, no tree). When trees do not
-beat plain laps, the engine decodes plain laps (exactly mode ``none``) and probes with a short
-trial of tree rounds now and then, backing off each time the probe loses, so a useless drafter
-costs a few rounds per generation and a useful one is found again when it starts to help
-(a prompt that begins to repeat its own text, say).
+beat plain laps, the engine decodes plain laps (exactly mode ``none``) and probes with one tree
+round now and then, backing off each time the probe loses, so a useless drafter costs about
+two tree rounds per generation and a useful one is found again when it starts to help (a
+prompt that begins to repeat its own text, say). Every generation opens with one trial round:
+its prompt may suit the drafter where the last one did not.
 """
 
 from __future__ import annotations
@@ -19,31 +20,36 @@ class GainMeter:
     """Chooses between a tree round and a plain round from measured rates.
 
     ``plain_ms`` (a plain lap's wall time) is a property of the ring and persists across
-    generations; everything about the drafter's usefulness starts afresh with ``begin``.
+    generations, and so does the probing interval; each generation (``begin``) opens with a
+    trial round judged on its own.
     """
 
-    #: Tree rounds in one trial (the first of a generation and every probe). Short on purpose:
-    #: a round of a useless drafter costs more than a plain lap and gains the same one token.
-    TRIAL = 2
+    #: Tree rounds in one trial (the first of a generation and every probe). One: on a 2-stage
+    #: loopback ring a flow round of a useless drafter costs about two plain laps (its
+    #: drafted-ahead rows are computed, then dropped) and gains the same one token.
+    TRIAL = 1
     #: Tree rounds the running judgement looks back on while trees are winning.
     WINDOW = 8
     #: Plain rounds after a lost trial before the next probe; doubled after every lost probe
-    #: (up to MAX_WAIT) and reset by a won one.
+    #: (up to MAX_WAIT), halved by a won one.
     FIRST_WAIT = 8
     MAX_WAIT = 64
+    #: Trees must beat plain laps by this factor: a trial is one round, its rate is noisy, and
+    #: a draft that pays only within noise is not worth a tree round's extra compute.
+    MARGIN = 1.1
     #: Weight of the newest plain lap in the running mean of ``plain_ms``.
     ALPHA = 0.25
 
     def __init__(self) -> None:
         self.plain_ms: float | None = None
+        self._backoff = self.FIRST_WAIT
         self.begin()
 
     def begin(self) -> None:
-        """A new generation: judge the drafter from scratch (one trial first)."""
+        """A new generation: judge the drafter on this prompt (a trial first)."""
         self._tree: deque[tuple[int, float]] = deque(maxlen=self.WINDOW)
         self._trial_left = self.TRIAL
         self._wait = 0
-        self._backoff = self.FIRST_WAIT
         self.probes = 0
 
     def want_tree(self) -> bool:
@@ -60,22 +66,22 @@ class GainMeter:
                 self.probes += 1
             return False
         if self.pays():
-            self._backoff = self.FIRST_WAIT
+            self._backoff = max(self.FIRST_WAIT, self._backoff // 2)
             return True
         self._wait = self._backoff
         self._backoff = min(2 * self._backoff, self.MAX_WAIT)
         return False
 
     def pays(self) -> bool:
-        """Recent tree rounds gained more than one token per round and more tokens per second
-        than plain laps do."""
+        """Recent tree rounds gained more than one token per round and MARGIN times the tokens
+        per second of plain laps."""
         if not self._tree or self.plain_ms is None:
             return False
         tokens = sum(t for t, _ in self._tree)
         seconds = sum(s for _, s in self._tree)
         if tokens <= len(self._tree):  # one token per round: what a plain lap gives
             return False
-        return tokens / max(seconds, 1e-9) > 1e3 / self.plain_ms
+        return tokens / max(seconds, 1e-9) > self.MARGIN * 1e3 / self.plain_ms
 
     def record_plain(self, seconds: float) -> None:
         ms = seconds * 1e3
