@@ -188,8 +188,10 @@ def summarize_modes(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         same = sum(r["tokens"] == n["tokens"] for r, n in zip(rs, none, strict=False))
         rows.append({"mode": m, "tokens_per_s": round(tps, 2),
                      "x_none": round(tps / ref, 3) if ref else None,
-                     "tree_rounds": sum(r["stats"]["rounds"] - r["stats"].get("plain_rounds", 0)
-                                        for r in rs),
+                     # (an engine from before plain_rounds was counted: unknown)
+                     "tree_rounds": sum(r["stats"]["rounds"] - r["stats"]["plain_rounds"]
+                                        for r in rs) if all("plain_rounds" in r["stats"]
+                                                            for r in rs) else "?",
                      "rounds": sum(r["stats"]["rounds"] for r in rs),
                      "same_as_none": f"{same}/{len(rs)}"})
     return rows
