@@ -91,6 +91,7 @@ def test_useless_drafter_decodes_plain_laps(ring, mode):
         assert 1 <= trees <= most, f"generation {generation}: {trees} tree rounds of {s.rounds}"
         assert s.plain_rounds >= n - most
         assert s.as_dict()["plain_rounds"] == s.plain_rounds
+        assert s.as_dict()["plain_lap_ms"] > 0  # the lap-timing view: a plain lap's wait
         if generation == 0:
             assert s.probes >= 1
 

@@ -74,6 +74,9 @@ class GenerationStats:
     recoveries: int = 0  # ring rebuilds after a node loss during this generation
     plain_rounds: int = 0  # rounds decoded as a plain lap (no tree): all of them in mode none
     probes: int = 0  # flow: trials of tree rounds after drafting had stopped paying
+    # Plain laps: time from handing the batch to the chain to its result. What is left of
+    # decode_s (in mode none) is the head's own work per token: engine, API, caller.
+    plain_wait_s: float = 0.0
 
     def merged(self, earlier: GenerationStats | None) -> GenerationStats:
         """These statistics with an earlier part of the same generation added in."""
@@ -83,7 +86,8 @@ class GenerationStats:
         out.accepted_hist.update(earlier.accepted_hist)
         out.prompt_tokens = earlier.prompt_tokens
         for name in ("prefill_tokens", "laps", "rounds", "draft_s", "prefill_s", "decode_s",
-                     "rows_sent", "rows_pruned", "recoveries", "plain_rounds", "probes"):
+                     "rows_sent", "rows_pruned", "recoveries", "plain_rounds", "probes",
+                     "plain_wait_s"):
             setattr(out, name, getattr(out, name) + getattr(earlier, name))
         return out
 
@@ -109,6 +113,8 @@ class GenerationStats:
             "rows_pruned": self.rows_pruned, "budget": self.budget, "segment": self.segment,
             "recoveries": self.recoveries, "plain_rounds": self.plain_rounds,
             "probes": self.probes,
+            "plain_lap_ms": round(self.plain_wait_s * 1e3 / self.plain_rounds, 2)
+            if self.plain_rounds else None,
         }
 
 
@@ -456,7 +462,9 @@ class SpecEngine:
                            np.zeros(1, np.int32), np.ones(1, bool), lap=self._new_lap(),
                            sampling=sampling))
         res = self.chain.next_result()
-        self.cost.observe_lap(1, (time.perf_counter() - t) * 1e3)
+        waited = time.perf_counter() - t
+        self.cost.observe_lap(1, waited * 1e3)
+        self.stats.plain_wait_s += waited
         self.stats.laps += 1
         self.stats.rounds += 1
         self.stats.plain_rounds += 1
