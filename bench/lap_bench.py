@@ -85,15 +85,53 @@ def run_overhead(model: str, stages: list[int], n_tokens: int, log) -> list[dict
             ring.generate(prompts[0][:16], max_tokens=8, spec="none")  # warm-up
             for i, p in enumerate(prompts):
                 ring.reset()
+                # Fill the KV with the prompt first: the measured generation then computes
+                # decode laps only (its prefill is the prompt's last token), so the stages'
+                # compute per batch is a decode lap's.
+                ring.generate(p, max_tokens=1, spec="none")
+                before = stage_busy(ring)
                 g = ring.generate(p, max_tokens=n_tokens, spec="none")
+                after = stage_busy(ring)
                 st = g.stats.as_dict()
-                out.append({"model": model, "config": f"ring{s}", "prompt": i,
-                            "n_tokens": len(g.tokens), "decode_s": g.stats.decode_s,
-                            "tokens_per_s": st["tokens_per_s"], "stats": st,
-                            "load_avg_1m": round(os.getloadavg()[0], 2)})
-                log(f"  {model} ring{s} p{i}: {st['tokens_per_s']:.2f} tok/s")
+                rec = {"model": model, "config": f"ring{s}", "prompt": i,
+                       "n_tokens": len(g.tokens), "decode_s": g.stats.decode_s,
+                       "tokens_per_s": st["tokens_per_s"], "stats": st,
+                       "breakdown": breakdown(g.stats, before, after),
+                       "load_avg_1m": round(os.getloadavg()[0], 2)}
+                out.append(rec)
+                log(f"  {model} ring{s} p{i}: {st['tokens_per_s']:.2f} tok/s  "
+                    f"{json.dumps(rec['breakdown'])}")
     single("after")
     return out
+
+
+def stage_busy(ring: Any) -> dict[int, tuple[float, int]]:
+    """Per stage: seconds its node spent computing batches, and batches, so far (the nodes'
+    health report)."""
+    out: dict[int, tuple[float, int]] = {}
+    for m in getattr(ring.chain, "members", []):
+        h = m.request("health", timeout=30).meta
+        for st, v in (h.get("stages") or {}).items():
+            out[int(st)] = (float(v.get("busy_s", 0.0)), int(v.get("batches", 0)))
+    return out
+
+
+def breakdown(stats: Any, before: dict[int, tuple[float, int]],
+              after: dict[int, tuple[float, int]]) -> dict[str, Any]:
+    """Where a token's time went in mode none, in ms per token: ``head`` (the head's own work
+    between laps: engine, API, detokenizing), ``lap`` (submit to result), of which
+    ``stages`` computed (per stage: the node's batch work, llama_decode and its Python
+    around it) and ``rest`` (transport, queues, thread wake-ups, result handling)."""
+    n = max(1, stats.tokens)
+    comp = []
+    for st in sorted(after):
+        b0, n0 = before.get(st, (0.0, 0))
+        b1, n1 = after[st]
+        comp.append(round((b1 - b0) * 1e3 / max(1, n1 - n0), 2))
+    lap = stats.plain_wait_s * 1e3 / max(1, stats.plain_rounds)
+    return {"ms_per_token": round(stats.decode_s * 1e3 / n, 2),
+            "head": round((stats.decode_s - stats.plain_wait_s) * 1e3 / n, 2),
+            "lap": round(lap, 2), "stages": comp, "rest": round(lap - sum(comp), 2)}
 
 
 def summarize_overhead(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -110,10 +148,17 @@ def summarize_overhead(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for cfg in dict.fromkeys(r["config"] for r in mine):
             rs = [r for r in mine if r["config"] == cfg]
             tps = rate(rs)
-            rows.append({"model": model, "config": cfg, "tokens_per_s": round(tps, 2),
-                         "x_single": round(tps / ref, 3),
-                         "ms_per_token": round(1e3 / tps, 2),
-                         "extra_ms_per_token": round(1e3 / tps - 1e3 / ref, 2)})
+            row = {"model": model, "config": cfg, "tokens_per_s": round(tps, 2),
+                   "x_single": round(tps / ref, 3), "ms_per_token": round(1e3 / tps, 2),
+                   "extra_ms_per_token": round(1e3 / tps - 1e3 / ref, 2)}
+            bd = [r["breakdown"] for r in rs if "breakdown" in r]
+            if bd:
+                row["head_ms"] = round(statistics.mean(b["head"] for b in bd), 2)
+                row["lap_ms"] = round(statistics.mean(b["lap"] for b in bd), 2)
+                row["stages_ms"] = [round(statistics.mean(b["stages"][k] for b in bd), 2)
+                                    for k in range(len(bd[0]["stages"]))]
+                row["rest_ms"] = round(statistics.mean(b["rest"] for b in bd), 2)
+            rows.append(row)
     return rows
 
 
@@ -200,9 +245,9 @@ def summarize_modes(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _table(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return ""
-    keys = list(rows[0])
+    keys = list(dict.fromkeys(k for r in rows for k in r))
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    lines += ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows]
+    lines += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows]
     return "\n".join(lines)
 
 
