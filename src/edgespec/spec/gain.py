@@ -24,10 +24,14 @@ class GainMeter:
     trial round judged on its own.
     """
 
-    #: Tree rounds in one trial (the first of a generation and every probe). One: on a 2-stage
-    #: loopback ring a flow round of a useless drafter costs about two plain laps (its
-    #: drafted-ahead rows are computed, then dropped) and gains the same one token.
+    #: Tree rounds in one trial (the first of a generation and every probe): one while rounds
+    #: gain a single token (on a 2-stage loopback ring a flow round of a useless drafter costs
+    #: about two plain laps: its drafted-ahead rows are computed, then dropped), up to
+    #: TRIAL_MAX while they gain more. A single round is a poor judge of a good drafter: the
+    #: generation's first one also pays for the drafter reading the prompt (1.5B/0.5B, 4
+    #: stages, 10 ms hops: a one-round trial lost on a prompt where trees gain 7 tokens a round).
     TRIAL = 1
+    TRIAL_MAX = 3
     #: Tree rounds the running judgement looks back on while trees are winning.
     WINDOW = 8
     #: Plain rounds after a lost trial before the next probe; doubled after every lost probe
@@ -49,6 +53,7 @@ class GainMeter:
         """A new generation: judge the drafter on this prompt (a trial first)."""
         self._tree: deque[tuple[int, float]] = deque(maxlen=self.WINDOW)
         self._trial_left = self.TRIAL
+        self._trial_rounds = 0
         self._wait = 0
         self.probes = 0
 
@@ -63,6 +68,7 @@ class GainMeter:
             if self._wait == 0:  # probe: a fresh trial, judged on its own rounds
                 self._tree.clear()
                 self._trial_left = self.TRIAL
+                self._trial_rounds = 0
                 self.probes += 1
             return False
         if self.pays():
@@ -90,7 +96,10 @@ class GainMeter:
 
     def record_tree(self, tokens: int, seconds: float) -> None:
         self._tree.append((tokens, seconds))
-        self._trial_left = max(0, self._trial_left - 1)
+        if self._trial_left > 0:
+            self._trial_rounds += 1
+            gained_more = tokens > 1 and self._trial_rounds < self.TRIAL_MAX
+            self._trial_left = 1 if gained_more else max(0, self._trial_left - 1)
 
     def charge_tree(self, seconds: float) -> None:
         """Time spent on tree rounds after they ended (draining their rows still in flight)."""
