@@ -662,8 +662,7 @@ class SpecEngine:
             gained = self._finish_round(rnd, decision)
             root = gained[-1]
             yield gained[streamed:]
-            gain.record_tree(len(gained), time.perf_counter() - t_round,
-                             likely=self.cost.acceptance()[0] >= self.TRIAL_LIKELY)
+            gain.record_tree(len(gained), time.perf_counter() - t_round)
 
     def _prune(self, rnd: _Round, d) -> None:
         """After a partial decision: drop rows off the accepted path from batches still in
@@ -689,10 +688,6 @@ class SpecEngine:
     #: 1-row segments: 1.89x none with chains, 1.81x best-first, which pruned 43% of the rows
     #: on the worst prompt).
     AHEAD_CHAIN = True
-
-    #: A trial of tree rounds survives a one-token round while the draft's measured top-1
-    #: acceptance is at least this (GainMeter.record_tree).
-    TRIAL_LIKELY = 0.5
 
     def _ahead_limit(self) -> int:
         """Unverified rows worth having in flight: the depth k at which a chain of top-1 draft

@@ -44,9 +44,14 @@ class GainMeter:
     #: Weight of the newest plain lap in the running mean of ``plain_ms``.
     ALPHA = 0.25
 
+    #: Mean tokens per tree round (over the last 32, across generations) from which a
+    #: one-token round does not end a trial.
+    LIKELY_TOKENS = 2.5
+
     def __init__(self) -> None:
         self.plain_ms: float | None = None
         self._backoff = self.FIRST_WAIT
+        self._history: deque[int] = deque(maxlen=32)  # tokens of recent tree rounds
         self.begin()
 
     def begin(self) -> None:
@@ -94,14 +99,18 @@ class GainMeter:
         self.plain_ms = ms if self.plain_ms is None else (
             (1 - self.ALPHA) * self.plain_ms + self.ALPHA * ms)
 
-    def record_tree(self, tokens: int, seconds: float, likely: bool = False) -> None:
-        """A tree round gained ``tokens`` in ``seconds``. ``likely``: the drafter's first guess
-        is usually right (measured acceptance): then one missed round does not end a trial
-        (1.5B/0.5B, 4 stages, 10 ms hops: a trial lost on a first-round miss on a prompt
-        where the other rounds gained 3-37 tokens)."""
+    def record_tree(self, tokens: int, seconds: float) -> None:
+        """A tree round gained ``tokens`` in ``seconds``."""
         self._tree.append((tokens, seconds))
+        self._history.append(tokens)
         if self._trial_left > 0:
             self._trial_rounds += 1
+            # A drafter whose rounds usually gain several tokens gets the whole trial even
+            # after a miss (1.5B/0.5B, 4 stages, 10 ms hops: a trial lost on a first-round
+            # miss on a prompt where the other rounds gained 3-37 tokens); one that gains
+            # little (retrieval on fresh chat answers, 1.0-1.35 a round) ends it at a miss.
+            likely = (len(self._history) >= 4
+                      and sum(self._history) / len(self._history) >= self.LIKELY_TOKENS)
             gained_more = (tokens > 1 or likely) and self._trial_rounds < self.TRIAL_MAX
             self._trial_left = 1 if gained_more else max(0, self._trial_left - 1)
 
