@@ -7,8 +7,8 @@ recent tree rounds with the wall time of a plain lap (one token, no tree). When 
 beat plain laps, the engine decodes plain laps (exactly mode ``none``) and probes with one tree
 round now and then, backing off each time the probe loses, so a useless drafter costs about
 two tree rounds per generation and a useful one is found again when it starts to help (a
-prompt that begins to repeat its own text, say). Every generation opens with one trial round:
-its prompt may suit the drafter where the last one did not.
+prompt that begins to repeat its own text, say). Every generation opens with a trial: its
+prompt may suit the drafter where the last one did not.
 """
 
 from __future__ import annotations
@@ -27,9 +27,8 @@ class GainMeter:
     #: Tree rounds in one trial (the first of a generation and every probe): one while rounds
     #: gain a single token (on a 2-stage loopback ring a flow round of a useless drafter costs
     #: about two plain laps: its drafted-ahead rows are computed, then dropped), up to
-    #: TRIAL_MAX while they gain more. A single round is a poor judge of a good drafter: the
-    #: generation's first one also pays for the drafter reading the prompt (1.5B/0.5B, 4
-    #: stages, 10 ms hops: a one-round trial lost on a prompt where trees gain 7 tokens a round).
+    #: TRIAL_MAX while they gain more (or while recent tree rounds gained LIKELY_TOKENS on
+    #: average: a good drafter's first guess misses now and then, see ``record_tree``).
     TRIAL = 1
     TRIAL_MAX = 3
     #: Tree rounds the running judgement looks back on while trees are winning.
@@ -119,7 +118,3 @@ class GainMeter:
         if self._tree:
             tokens, s = self._tree[-1]
             self._tree[-1] = (tokens, s + seconds)
-
-    def as_dict(self) -> dict:
-        return {"plain_lap_ms": None if self.plain_ms is None else round(self.plain_ms, 2),
-                "probes": self.probes, "trees_pay": self.pays()}
