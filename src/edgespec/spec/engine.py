@@ -14,6 +14,12 @@ Modes (``mode=``):
 - ``auto``: ``flow`` when the chain has several stages and a drafter exists, else ``sync``
   with a drafter, else ``none``.
 
+Unless the budget is fixed, ``flow`` decodes a tree only while trees measurably pay: each
+generation starts with a short trial, then tree rounds continue only while their tokens per
+second beat a plain lap's, else plain laps (exactly mode ``none``) with probes that back off
+(``GainMeter``). ``sync`` sizes its tree (0: a plain lap) from the cost model, with a probe every
+few plain rounds.
+
 KV discipline (DESIGN section 3): committed tokens live in llama.cpp sequence 0 on every
 stage. A tree's root is the last accepted token, not yet in KV; every tree row carries the
 seq ids of the leaves below it, and each leaf seq first receives the committed prefix. After a
@@ -40,6 +46,7 @@ from .. import core
 from ..chain import Batch, Chain, Sampling
 from ..wire import KvOp, KvOpCode
 from .drafters import Drafter, DraftTree
+from .gain import GainMeter
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +72,11 @@ class GenerationStats:
     budget: int = 0
     segment: int = 0
     recoveries: int = 0  # ring rebuilds after a node loss during this generation
+    plain_rounds: int = 0  # rounds decoded as a plain lap (no tree): all of them in mode none
+    probes: int = 0  # flow: trials of tree rounds after drafting had stopped paying
+    # Plain laps: time from handing the batch to the chain to its result. What is left of
+    # decode_s (in mode none) is the head's own work per token: engine, API, caller.
+    plain_wait_s: float = 0.0
 
     def merged(self, earlier: GenerationStats | None) -> GenerationStats:
         """These statistics with an earlier part of the same generation added in."""
@@ -74,7 +86,8 @@ class GenerationStats:
         out.accepted_hist.update(earlier.accepted_hist)
         out.prompt_tokens = earlier.prompt_tokens
         for name in ("prefill_tokens", "laps", "rounds", "draft_s", "prefill_s", "decode_s",
-                     "rows_sent", "rows_pruned", "recoveries"):
+                     "rows_sent", "rows_pruned", "recoveries", "plain_rounds", "probes",
+                     "plain_wait_s"):
             setattr(out, name, getattr(out, name) + getattr(earlier, name))
         return out
 
@@ -98,7 +111,10 @@ class GenerationStats:
             "decode_ms": round(self.decode_s * 1e3, 2),
             "tokens_per_s": round(self.tokens_per_s, 3), "rows_sent": self.rows_sent,
             "rows_pruned": self.rows_pruned, "budget": self.budget, "segment": self.segment,
-            "recoveries": self.recoveries,
+            "recoveries": self.recoveries, "plain_rounds": self.plain_rounds,
+            "probes": self.probes,
+            "plain_lap_ms": round(self.plain_wait_s * 1e3 / self.plain_rounds, 2)
+            if self.plain_rounds else None,
         }
 
 
@@ -216,6 +232,7 @@ class SpecEngine:
         self.fixed_segments = segments
         self.prefill_chunk = prefill_chunk
         self.cost = cost or CostModel()
+        self.gain = GainMeter()
         self.history: list[int] = []  # tokens committed in KV sequence 0 on every stage
         self.stats = GenerationStats()
         # Lap ids name batches on every stage (pruning remembers recent laps): start each head
@@ -275,6 +292,7 @@ class SpecEngine:
                              f"exceeds the context size {self.n_ctx}")
         mode = self.resolve_mode(mode)
         self.stats = GenerationStats(mode=mode, prompt_tokens=len(prompt))
+        self.gain.begin()
         t0 = time.perf_counter()
         root = self._prefill(prompt, singles=replay)
         self.stats.prefill_s = time.perf_counter() - t0
@@ -412,19 +430,14 @@ class SpecEngine:
 
     def _flow_segment(self) -> int:
         """Flow mode: rows per segment (0: a plain round). An explicit budget is spread over
-        the stages; otherwise FLOW_SEGMENT while the draft's first guess is accepted often
-        enough to draft ahead at all (AHEAD_MIN_P), else plain rounds with a probe every
-        PROBE_EVERY. How far ahead to draft follows the acceptance too (_ahead_limit)."""
+        the stages; otherwise FLOW_SEGMENT while tree rounds measurably beat plain laps
+        (``GainMeter``: a trial per generation, then probes that back off), else plain laps.
+        How far ahead to draft follows the measured acceptance (_ahead_limit)."""
         if self.fixed_budget:
             seg = self._segment_size(self.fixed_budget)
-        elif self.cost.acceptance()[0] >= self.AHEAD_MIN_P:
-            seg = self.FLOW_SEGMENT
         else:
-            seg = 0
-            self._plain_rounds += 1
-            if self._plain_rounds >= self.PROBE_EVERY:
-                self._plain_rounds = 0
-                seg = 1
+            seg = self.FLOW_SEGMENT if self.gain.want_tree() else 0
+            self.stats.probes = self.gain.probes
         self.stats.segment = seg
         self.stats.budget = self._ahead_limit() if seg else 0
         self._log_choice("flow", segment=seg, ahead=self.stats.budget)
@@ -451,9 +464,12 @@ class SpecEngine:
                            np.zeros(1, np.int32), np.ones(1, bool), lap=self._new_lap(),
                            sampling=sampling))
         res = self.chain.next_result()
-        self.cost.observe_lap(1, (time.perf_counter() - t) * 1e3)
+        waited = time.perf_counter() - t
+        self.cost.observe_lap(1, waited * 1e3)
+        self.stats.plain_wait_s += waited
         self.stats.laps += 1
         self.stats.rounds += 1
+        self.stats.plain_rounds += 1
         self.stats.accepted_hist[1] += 1
         self._commit([root])
         token = int(res.targets[0])
@@ -583,13 +599,18 @@ class SpecEngine:
 
     def _rounds_flow(self, root: int, sampling: Sampling) -> Iterator[list[int]]:
         stale = self._stale  # lap -> results still to come from decided trees
+        gain = self.gain
         while True:
             seg = self._flow_segment()
+            t_round = time.perf_counter()
             if seg == 0:
                 self._drain_stale()  # a plain lap reads the next result: make it its own
+                t = time.perf_counter()
+                gain.charge_tree(t - t_round)  # the last tree's rows still in flight
                 gained = self._plain_round(root, sampling)
                 root = gained[-1]
                 yield gained
+                gain.record_plain(time.perf_counter() - t)
                 continue
             # Start the ring on the first segment at once; the rest of the tree is drafted
             # while that segment is in flight (below).
@@ -652,6 +673,7 @@ class SpecEngine:
             gained = self._finish_round(rnd, decision)
             root = gained[-1]
             yield gained[streamed:]
+            gain.record_tree(len(gained), time.perf_counter() - t_round)
 
     def _prune(self, rnd: _Round, d) -> None:
         """After a partial decision: drop rows off the accepted path from batches still in

@@ -1,0 +1,310 @@
+"""Lap benchmark (issue 19): what a ring costs per lap next to the unsplit model, and whether
+``auto`` ever loses to ``none``.
+
+    .venv/bin/python -m bench.lap_bench                       # both parts, defaults below
+    .venv/bin/python -m bench.lap_bench --parts overhead --models qwen2.5-coder-0.5b
+    .venv/bin/python -m bench.lap_bench --parts modes --target qwen2.5-coder-1.5b \
+        --draft qwen2.5-coder-0.5b --stages 4 --hop-ms 10 --modes none,flow,auto
+    git show HEAD~1:src/edgespec/spec/engine.py > /tmp/engine_before.py
+    .venv/bin/python -m bench.lap_bench --parts modes --before /tmp/engine_before.py \
+        --modes none,none@before,flow,flow@before,auto,auto@before
+
+Part ``overhead`` (mode none, plain loopback, no link emulator): per model, the unsplit model in
+one ``llama_cpp.Llama`` (``single``, one thread, greedy), then rings of 1, 2, 4 node processes
+(one llama.cpp thread each), then ``single`` again; ratios are to the mean of the two singles
+(bracketing load drift on a shared host). A 1-stage ring does the single process's compute, so
+what it loses is the per-lap tax: head, transport, node, stage runtime.
+
+Part ``modes``: one ring (default: the one a user gets with no draft model: 0.5B, 2 local
+stages, retrieval drafting), chat prompts (the model's chat template), every mode back to back
+per prompt, so host load hits all alike. ``--hop-ms`` puts a link emulator on every link.
+
+Writes one JSON object (machine, load averages before/after, commands, per-run records and the
+summary) to ``--out`` and prints the summary tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+
+from bench.ring_bench import Links, machine_info, run_single  # noqa: E402
+
+CODE_PROMPTS = [
+    "def quicksort(arr):\n",
+    "class Stack:\n    \"\"\"A simple LIFO stack.\"\"\"\n\n    def __init__(self):\n",
+]
+
+CHAT_PROMPTS = [
+    "Write a Python function `is_palindrome(s: str) -> bool` that ignores case and "
+    "non-alphanumeric characters. Include a docstring with two doctest examples.",
+    "Explain the difference between a list and a tuple in Python, with a short example.",
+    "Write a bash one-liner that counts the lines of every .py file under the current folder.",
+    "What does the `with` statement do in Python? Show how to write a context manager.",
+    "Write a SQL query that returns the five customers with the highest total order amount.",
+]
+
+
+def _model_path(name: str) -> Path:
+    from edgespec import models
+
+    return Path(models.resolve(name))
+
+
+def run_overhead(model: str, stages: list[int], n_tokens: int, log) -> list[dict[str, Any]]:
+    from edgespec import Ring
+
+    path = _model_path(model)
+    out: list[dict[str, Any]] = []
+    from edgespec.llamacpp import Tokenizer, load_model
+
+    vocab = load_model(path, vocab_only=True)
+    prompts = [Tokenizer(vocab).encode(p) for p in CODE_PROMPTS]
+    vocab.close()
+
+    def single(tag: str) -> None:
+        runs = run_single(path, prompts, n_tokens, 1, None, 2048, log)
+        for i, r in enumerate(runs):
+            out.append({"model": model, "config": "single", "pass": tag, "prompt": i,
+                        "n_tokens": len(r["tokens"]), "decode_s": r["decode_s"],
+                        "tokens_per_s": len(r["tokens"]) / r["decode_s"],
+                        "load_avg_1m": r["load_avg_1m"]})
+
+    single("before")
+    for s in stages:
+        with Ring.local(str(path), stages=s, threads=1, spec="none", n_ctx=2048) as ring:
+            ring.generate(prompts[0][:16], max_tokens=8, spec="none")  # warm-up
+            for i, p in enumerate(prompts):
+                ring.reset()
+                # Fill the KV with the prompt first: the measured generation then computes
+                # decode laps only (its prefill is the prompt's last token), so the stages'
+                # compute per batch is a decode lap's.
+                ring.generate(p, max_tokens=1, spec="none")
+                before = stage_busy(ring)
+                g = ring.generate(p, max_tokens=n_tokens, spec="none")
+                after = stage_busy(ring)
+                st = g.stats.as_dict()
+                rec = {"model": model, "config": f"ring{s}", "prompt": i,
+                       "n_tokens": len(g.tokens), "decode_s": g.stats.decode_s,
+                       "tokens_per_s": st["tokens_per_s"], "stats": st,
+                       "breakdown": breakdown(g.stats, before, after),
+                       "load_avg_1m": round(os.getloadavg()[0], 2)}
+                out.append(rec)
+                log(f"  {model} ring{s} p{i}: {st['tokens_per_s']:.2f} tok/s  "
+                    f"{json.dumps(rec['breakdown'])}")
+    single("after")
+    return out
+
+
+def stage_busy(ring: Any) -> dict[int, tuple[float, int]]:
+    """Per stage: seconds its node spent computing batches, and batches, so far (the nodes'
+    health report)."""
+    out: dict[int, tuple[float, int]] = {}
+    for m in getattr(ring.chain, "members", []):
+        h = m.request("health", timeout=30).meta
+        for st, v in (h.get("stages") or {}).items():
+            out[int(st)] = (float(v.get("busy_s", 0.0)), int(v.get("batches", 0)))
+    return out
+
+
+def breakdown(stats: Any, before: dict[int, tuple[float, int]],
+              after: dict[int, tuple[float, int]]) -> dict[str, Any]:
+    """Where a token's time went in mode none, in ms per token: ``head`` (the head's own work
+    between laps: engine, API, detokenizing), ``lap`` (submit to result), of which
+    ``stages`` computed (per stage: the node's batch work, llama_decode and its Python
+    around it) and ``rest`` (transport, queues, thread wake-ups, result handling)."""
+    n = max(1, stats.tokens)
+    comp = []
+    for st in sorted(after):
+        b0, n0 = before.get(st, (0.0, 0))
+        b1, n1 = after[st]
+        comp.append(round((b1 - b0) * 1e3 / max(1, n1 - n0), 2))
+    lap = stats.plain_wait_s * 1e3 / max(1, stats.plain_rounds)
+    return {"ms_per_token": round(stats.decode_s * 1e3 / n, 2),
+            "head": round((stats.decode_s - stats.plain_wait_s) * 1e3 / n, 2),
+            "lap": round(lap, 2), "stages": comp, "rest": round(lap - sum(comp), 2)}
+
+
+def summarize_overhead(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = []
+    for model in dict.fromkeys(r["model"] for r in runs):
+        mine = [r for r in runs if r["model"] == model]
+
+        def rate(rs: list[dict[str, Any]]) -> float:
+            return sum(r["n_tokens"] for r in rs) / sum(r["decode_s"] for r in rs)
+
+        singles = [r for r in mine if r["config"] == "single"]
+        ref = statistics.mean(rate([r for r in singles if r["pass"] == p])
+                              for p in ("before", "after"))
+        for cfg in dict.fromkeys(r["config"] for r in mine):
+            rs = [r for r in mine if r["config"] == cfg]
+            tps = rate(rs)
+            row = {"model": model, "config": cfg, "tokens_per_s": round(tps, 2),
+                   "x_single": round(tps / ref, 3), "ms_per_token": round(1e3 / tps, 2),
+                   "extra_ms_per_token": round(1e3 / tps - 1e3 / ref, 2)}
+            bd = [r["breakdown"] for r in rs if "breakdown" in r]
+            if bd:
+                row["head_ms"] = round(statistics.mean(b["head"] for b in bd), 2)
+                row["lap_ms"] = round(statistics.mean(b["lap"] for b in bd), 2)
+                row["stages_ms"] = [round(statistics.mean(b["stages"][k] for b in bd), 2)
+                                    for k in range(len(bd[0]["stages"]))]
+                row["rest_ms"] = round(statistics.mean(b["rest"] for b in bd), 2)
+            rows.append(row)
+    return rows
+
+
+def _engine_from(path: str, like: Any) -> Any:
+    """A head engine built from another version of ``spec/engine.py`` (``--before``), with
+    the settings of ``like``: modes ``<mode>@before`` run on it, side by side with this tree's
+    engine over the same ring (node code is this tree's either way)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("edgespec.spec._engine_before", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod.SpecEngine(like.chain, drafter=like.drafter, n_ctx=like.n_ctx,
+                          is_eog=like.is_eog, budget=like.fixed_budget,
+                          max_depth=like.max_depth, segments=like.fixed_segments)
+
+
+def run_modes(target: str, draft: str | None, stages: int, hop_ms: float, modes: list[str],
+              n_tokens: int, n_prompts: int, log, before: str | None = None
+              ) -> list[dict[str, Any]]:
+    from edgespec import Ring
+
+    links = Links(hop_ms) if hop_ms > 0 else None
+    kwargs: dict[str, Any] = {"proxy": links.proxy} if links else {}
+    out: list[dict[str, Any]] = []
+    try:
+        with Ring.local(str(_model_path(target)), stages=stages,
+                        draft=str(_model_path(draft)) if draft else None, threads=1,
+                        spec="none", **kwargs) as ring:
+            engines = {"": ring.engine}
+            if before:
+                engines["@before"] = _engine_from(before, ring.engine)
+
+            def chat(msg: list[dict[str, str]], m: str, n: int) -> Any:
+                mode, _, tag = m.partition("@")
+                ring.engine = engines["@" + tag if tag else ""]
+                ring.engine.reset()  # each engine tracks what the stages hold: start clean
+                return ring.chat(msg, max_tokens=n, spec=mode)
+
+            msgs = [[{"role": "user", "content": c}] for c in CHAT_PROMPTS[:n_prompts]]
+            for m in modes:  # warm-up: page in weights, give the cost model laps
+                chat(msgs[0], m, 8)
+            for i, msg in enumerate(msgs):
+                for m in modes:
+                    g = chat(msg, m, n_tokens)
+                    st = g.stats.as_dict()
+                    out.append({"mode": m, "resolved": st["mode"], "prompt": i,
+                                "n_tokens": len(g.tokens), "decode_s": g.stats.decode_s,
+                                "tokens_per_s": st["tokens_per_s"], "tokens": g.tokens,
+                                "stats": st, "load_avg_1m": round(os.getloadavg()[0], 2)})
+                    log(f"  p{i} {m:<5} ({st['mode']}) {st['tokens_per_s']:7.2f} tok/s  "
+                        f"rounds {st['rounds']} plain {st.get('plain_rounds', '-')} "
+                        f"acc/round {st['mean_accepted_per_round']:.2f}")
+    finally:
+        if links:
+            links.close()
+    return out
+
+
+def summarize_modes(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def rate(rs: list[dict[str, Any]]) -> float:
+        return sum(r["n_tokens"] for r in rs) / sum(r["decode_s"] for r in rs)
+
+    none = [r for r in runs if r["mode"] == "none"]
+    ref = rate(none) if none else None
+    rows = []
+    for m in dict.fromkeys(r["mode"] for r in runs):
+        rs = [r for r in runs if r["mode"] == m]
+        tps = rate(rs)
+        same = sum(r["tokens"] == n["tokens"] for r, n in zip(rs, none, strict=False))
+        rows.append({"mode": m, "tokens_per_s": round(tps, 2),
+                     "x_none": round(tps / ref, 3) if ref else None,
+                     # (an engine from before plain_rounds was counted: unknown)
+                     "tree_rounds": sum(r["stats"]["rounds"] - r["stats"]["plain_rounds"]
+                                        for r in rs) if all("plain_rounds" in r["stats"]
+                                                            for r in rs) else "?",
+                     "rounds": sum(r["stats"]["rounds"] for r in rs),
+                     "same_as_none": f"{same}/{len(rs)}"})
+    return rows
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return ""
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--parts", default="overhead,modes")
+    ap.add_argument("--models", default="qwen2.5-coder-0.5b,qwen2.5-coder-1.5b")
+    ap.add_argument("--ring-stages", default="1,2,4", help="overhead part: ring sizes")
+    ap.add_argument("--tokens", type=int, default=64, help="overhead part: tokens per prompt")
+    ap.add_argument("--target", default="qwen2.5-coder-0.5b", help="modes part")
+    ap.add_argument("--draft", default=None, help="modes part (default: no draft model)")
+    ap.add_argument("--stages", type=int, default=2, help="modes part")
+    ap.add_argument("--hop-ms", type=float, default=0.0, help="modes part")
+    ap.add_argument("--modes", default="none,sync,flow,auto", help="modes part")
+    ap.add_argument("--before", default=None,
+                    help="modes part: an older spec/engine.py for modes named <mode>@before")
+    ap.add_argument("--chat-tokens", type=int, default=96)
+    ap.add_argument("--chat-prompts", type=int, default=5)
+    ap.add_argument("--out", default="bench/results/lap_bench.json")
+    args = ap.parse_args(argv)
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    import edgespec
+
+    result: dict[str, Any] = {
+        "command": "python -m bench.lap_bench " + " ".join(map(shlex.quote, argv or sys.argv[1:])),
+        "edgespec_from": str(Path(edgespec.__file__).parent),
+        "machine": machine_info(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    parts = args.parts.split(",")
+    if "overhead" in parts:
+        runs = []
+        for model in args.models.split(","):
+            runs += run_overhead(model, [int(s) for s in args.ring_stages.split(",")],
+                                 args.tokens, log)
+        result["overhead_runs"] = runs
+        result["overhead"] = summarize_overhead(runs)
+        print(_table(result["overhead"]))
+    if "modes" in parts:
+        runs = run_modes(args.target, args.draft, args.stages, args.hop_ms,
+                         args.modes.split(","), args.chat_tokens, args.chat_prompts, log,
+                         args.before)
+        result["modes_setup"] = {"target": args.target, "draft": args.draft,
+                                 "stages": args.stages, "hop_ms": args.hop_ms,
+                                 "before": args.before}
+        result["modes_runs"] = runs
+        result["modes"] = summarize_modes(runs)
+        print(_table(result["modes"]))
+    result["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    log(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

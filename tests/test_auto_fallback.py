@@ -1,0 +1,141 @@
+"""``auto``/``flow`` without a useful drafter decode like mode ``none``: after a short trial
+the engine measures that trees do not pay and decodes plain laps (probing now and then), with
+exactly the tokens of mode ``none``; a useful drafter keeps its trees."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+from tinygguf import make_tiny_gguf
+
+from edgespec.api import Ring
+from edgespec.chain import Sampling
+from edgespec.spec import Drafter, DraftTree
+from edgespec.spec.engine import SpecEngine
+
+
+class WrongDrafter(Drafter):
+    """Always drafts a token the target does not pick (greedy): the reference continuation's
+    next token plus one. A drafter that never helps, as retrieval is on fresh text."""
+
+    def __init__(self, reference: Sequence[int], n_vocab: int) -> None:
+        super().__init__()
+        self.reference = list(reference)
+        self.n_vocab = n_vocab
+        self._hist: list[int] = []
+
+    def begin(self, prompt_tokens: Sequence[int]) -> None:
+        self._hist = [int(t) for t in prompt_tokens]
+
+    def _wrong(self) -> int:
+        i = len(self._hist)
+        right = self.reference[i] if i < len(self.reference) else 0
+        return (right + 1) % self.n_vocab
+
+    def propose(self, root: int, budget: int, max_depth: int) -> DraftTree:
+        self._check_root(root)
+        return DraftTree.from_nodes([(-1, self._wrong(), -0.1)])
+
+    def propose_under(self, path: Sequence[int], budget: int, max_depth: int) -> DraftTree:
+        return DraftTree.empty()
+
+    def accept(self, accepted_tokens: Sequence[int]) -> None:
+        self._hist.extend(int(t) for t in accepted_tokens)
+
+    @property
+    def history(self) -> Sequence[int]:
+        return self._hist
+
+
+class RightDrafter(WrongDrafter):
+    """Drafts the reference continuation itself, at no cost: trees always pay."""
+
+    def _chain(self, below: Sequence[int], budget: int, max_depth: int) -> DraftTree:
+        at = len(self._hist) + len(below)
+        if list(below) != self.reference[len(self._hist):at]:
+            return DraftTree.empty()
+        toks = self.reference[at: at + min(budget, max_depth - len(below))]
+        return DraftTree.from_nodes([(i - 1, t, -0.01) for i, t in enumerate(toks)])
+
+    def propose(self, root: int, budget: int, max_depth: int) -> DraftTree:
+        self._check_root(root)
+        return self._chain((), budget, max_depth)
+
+    def propose_under(self, path: Sequence[int], budget: int, max_depth: int) -> DraftTree:
+        return self._chain(path, budget, max_depth)
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    return make_tiny_gguf(tmp_path_factory.mktemp("auto") / "target.gguf", "qwen2", n_layer=4,
+                          n_embd=64, seed=3)
+
+
+@pytest.fixture(scope="module")
+def ring(tiny_target):
+    with Ring.local(tiny_target, stages=2, processes=False, n_ctx=1024) as r:
+        yield r
+
+
+def _prompt(ring: Ring) -> list[int]:
+    rng = np.random.default_rng(1)
+    return [int(t) for t in rng.integers(3, ring.tokenizer.n_vocab, 16)]
+
+
+def _decode(engine: SpecEngine, prompt: list[int], n: int, mode: str) -> list[int]:
+    engine.reset()
+    return [t for chunk in engine.run(prompt, max_tokens=n, sampling=Sampling(), mode=mode)
+            for t in chunk]
+
+
+@pytest.mark.parametrize("mode", ["auto", "flow"])
+def test_useless_drafter_decodes_plain_laps(ring, mode):
+    prompt = _prompt(ring)
+    n = 64
+    # The engine itself, no end-of-generation token: every generation is n laps long.
+    ref = _decode(SpecEngine(ring.chain, n_ctx=1024), prompt, n, "none")
+    engine = SpecEngine(ring.chain, n_ctx=1024,
+                        drafter=WrongDrafter(prompt + ref, ring.tokenizer.n_vocab))
+    # First generation: a one-round trial, then one-round probes after 9, 17, 33 plain laps.
+    # Second: its own trial round (the drafter may suit this prompt), then the probing
+    # interval the first one reached (64).
+    for generation, most in ((0, 5), (1, 2)):
+        assert _decode(engine, prompt, n, mode) == ref
+        s = engine.stats
+        assert s.mode == "flow"
+        trees = s.rounds - s.plain_rounds
+        assert 1 <= trees <= most, f"generation {generation}: {trees} tree rounds of {s.rounds}"
+        assert s.plain_rounds >= n - most
+        assert s.as_dict()["plain_rounds"] == s.plain_rounds
+        assert s.as_dict()["plain_lap_ms"] > 0  # the lap-timing view: a plain lap's wait
+        if generation == 0:
+            assert s.probes >= 1
+
+
+@pytest.fixture(scope="module")
+def heavier_ring(tmp_path_factory):
+    # Big enough that a lap costs several milliseconds: on the 64-wide model a lap is
+    # ~1 ms, less than the head's own work per tree round, so there trees rightly lose.
+    path = make_tiny_gguf(tmp_path_factory.mktemp("auto") / "heavier.gguf", "qwen2",
+                          n_layer=8, n_embd=512, seed=3)
+    with Ring.local(path, stages=2, processes=False, n_ctx=1024) as r:
+        yield r
+
+
+def test_useful_drafter_keeps_its_trees(heavier_ring):
+    """A drafter that is always right: trees keep paying, most tokens come from them."""
+    ring = heavier_ring
+    prompt = _prompt(ring)
+    ref = _decode(SpecEngine(ring.chain, n_ctx=1024), prompt, 64, "none")
+    engine = SpecEngine(ring.chain, n_ctx=1024,
+                        drafter=RightDrafter(prompt + ref, ring.tokenizer.n_vocab))
+    assert _decode(engine, prompt, 64, "auto") == ref
+    s = engine.stats
+    assert s.mode == "flow"
+    assert s.mean_accepted > 2
+    # Tokens from tree rounds. (The first one-round trial may lose on this serial in-process
+    # chain, where a round is as many laps as it gains tokens early on: then 8 plain laps
+    # follow before the probe that wins.)
+    assert s.tokens - s.plain_rounds > 3 * s.plain_rounds
