@@ -1,4 +1,4 @@
-"""One layer window of a model on llama.cpp: the unit every node runs (DESIGN 2, 3.2-3.5).
+"""One layer window of a model on llama.cpp: the unit every node runs (docs/design.md 2, 3.2-3.5).
 
 A :class:`StageRuntime` loads one window ``[a, b)`` (a shard from :mod:`edgespec.shard`, or a
 window it cuts from a full GGUF) into its own llama.cpp context and runs batches through it:
@@ -11,9 +11,9 @@ window it cuts from a full GGUF) into its own llama.cpp context and runs batches
 * the last window returns logits rows for the rows asked for (``want_rows``).
 
 Batches may carry several sequence ids per token (a token tree: each node carries the seq ids of
-all leaves below it; DESIGN 3.4), so contexts use a unified KV cache. The KV cache is rolled back
+all leaves below it; docs/design.md 3.4), so contexts use a unified KV cache. The KV cache is rolled back
 by masks, never recomputed: :meth:`~StageRuntime.commit_path`, :meth:`~StageRuntime.keep_seqs`,
-:meth:`~StageRuntime.truncate`, :meth:`~StageRuntime.apply_plan` (DESIGN 3.5).
+:meth:`~StageRuntime.truncate`, :meth:`~StageRuntime.apply_plan` (docs/design.md 3.5).
 
 Inputs are validated before llama.cpp sees them (hidden width, token range, seq ids, per-sequence
 position continuity); a failed call leaves the KV cache as it was, so the runtime stays usable.
@@ -613,7 +613,7 @@ class StageRuntime:
 
     def commit_path(self, seq: int, p0: int = -1, p1: int = -1, main: int = 0) -> None:
         """Accept the path stored in ``seq`` over positions ``[p0, p1)`` into ``main`` and drop
-        every other sequence (DESIGN 3.5: ``seq_cp(seq -> main)`` then ``seq_keep(main)``)."""
+        every other sequence (docs/design.md 3.5: ``seq_cp(seq -> main)`` then ``seq_keep(main)``)."""
         with self._lock:
             self._require_open()
             self._check_seq(seq)
@@ -713,7 +713,7 @@ class StageRuntime:
 
 class StageHost:
     """Several windows of one model in one process: prima.cpp's piped ring, where a lap visits
-    each device k times and a device holds k windows (DESIGN 1: window / round).
+    each device k times and a device holds k windows (docs/design.md 1: window / round).
 
     Each window is its own :class:`StageRuntime` (own context and KV cache). All windows must come
     from one model (same fingerprint) and must not overlap; :meth:`add_window` checks before

@@ -20,7 +20,7 @@ second beat a plain lap's, else plain laps (exactly mode ``none``) with probes t
 (``GainMeter``). ``sync`` sizes its tree (0: a plain lap) from the cost model, with a probe every
 few plain rounds.
 
-KV discipline (DESIGN section 3): committed tokens live in llama.cpp sequence 0 on every
+KV discipline (docs/design.md 3): committed tokens live in llama.cpp sequence 0 on every
 stage. A tree's root is the last accepted token, not yet in KV; every tree row carries the
 seq ids of the leaves below it, and each leaf seq first receives the committed prefix. After a
 decision the accepted path is copied into sequence 0 and every other sequence is dropped:
