@@ -12,14 +12,14 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from .api import Generation, Ring
+    from edgespec.api import Generation, Ring
 
 __all__ = ["__version__", "Ring", "Generation"]
 
 
 def __getattr__(name: str) -> Any:
     if name in ("Ring", "Generation"):
-        from . import api
+        from edgespec import api
 
         return getattr(api, name)
     raise AttributeError(f"module 'edgespec' has no attribute {name!r}")

@@ -1,5 +1,5 @@
 import sys
 
-from .cli import main
+from edgespec.cli import main
 
 sys.exit(main())

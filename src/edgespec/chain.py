@@ -33,8 +33,8 @@ from typing import Protocol
 
 import numpy as np
 
-from .errors import StageFailure
-from .wire import KvOp, KvOpCode
+from edgespec.errors import StageFailure
+from edgespec.wire import KvOp, KvOpCode
 
 
 @dataclass(frozen=True)
@@ -130,7 +130,7 @@ def pick_targets(logits: np.ndarray, pos: np.ndarray, sampling: Sampling) -> np.
     sampled generation is the same whatever tree or mode produced it, and each accepted token is
     an exact draw from the target's conditional (SpecExec / FlowSpec verification).
     """
-    from . import core
+    from edgespec import core
 
     if sampling.greedy:
         return core.argmax_rows(np.ascontiguousarray(logits, dtype=np.float32))

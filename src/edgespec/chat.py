@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
-from .api import Generation, Ring
+from edgespec.api import Generation, Ring
 
 COMMANDS = (
     ("/help", "list these commands"),
@@ -139,7 +139,7 @@ class LineReader:
                 self._load_history()
 
     def _load_history(self) -> None:
-        from .models import home
+        from edgespec.models import home
 
         self.history_path = home() / HISTORY_FILE
         rl = self._readline

@@ -13,7 +13,7 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 
-from . import __version__
+from edgespec import __version__
 
 EPILOG = """\
 typical use:
@@ -104,7 +104,7 @@ def _set_help(parser: argparse.ArgumentParser, option: str, text: str) -> None:
 # ----------------------------------------------------------------------------------- models
 
 def _models_list(args: argparse.Namespace) -> int:
-    from . import models
+    from edgespec import models
 
     print(f"{'name':22} {'arch':6} {'layers':>6} {'size':>9}  {'cached':8} description")
     for spec in models.REGISTRY.values():
@@ -118,7 +118,7 @@ def _models_list(args: argparse.Namespace) -> int:
 
 
 def _models_fetch(args: argparse.Namespace) -> int:
-    from . import models
+    from edgespec import models
 
     was = models.cache_state(args.name)
     path = models.fetch(args.name, progress=not args.quiet)
@@ -129,14 +129,14 @@ def _models_fetch(args: argparse.Namespace) -> int:
 
 
 def _models_path(args: argparse.Namespace) -> int:
-    from . import models
+    from edgespec import models
 
     print(models.resolve(args.name, fetch_missing=False))
     return 0
 
 
 def _models_verify(args: argparse.Namespace) -> int:
-    from . import models
+    from edgespec import models
 
     if models.verify(args.name, progress=True):
         print(f"ok: {models.cached_path(args.name)}")
@@ -167,8 +167,8 @@ def _add_models(sub) -> None:
 # --------------------------------------------------------------------------- shard / keygen
 
 def _shard(args: argparse.Namespace) -> int:
-    from .models import resolve
-    from .shard import run_shard_command
+    from edgespec.models import resolve
+    from edgespec.shard import run_shard_command
 
     # Registry names work here as in every command (fetched into the cache if needed).
     args.model = str(resolve(args.model))
@@ -178,7 +178,7 @@ def _shard(args: argparse.Namespace) -> int:
 
 
 def _add_shard(sub) -> None:
-    from .shard import add_shard_arguments
+    from edgespec.shard import add_shard_arguments
 
     p = _add(sub, "shard", "cut a GGUF model into layer windows (one file per stage)",
              "Writes one GGUF per layer window plus manifest.json (model fingerprint, ranges, "
@@ -192,7 +192,7 @@ def _add_shard(sub) -> None:
 
 
 def _keygen(args: argparse.Namespace) -> int:
-    from .auth import write_key
+    from edgespec.auth import write_key
 
     path = write_key(args.key_file, force=args.force)
     print(f"ring key written to {path} (mode 0600). Copy it to every node "
@@ -210,13 +210,13 @@ def _add_keygen(sub) -> None:
 # ------------------------------------------------------------------------------------ node
 
 def _node(args: argparse.Namespace) -> int:
-    from .node import run_node_command
+    from edgespec.node import run_node_command
 
     return run_node_command(args)
 
 
 def _add_node(sub) -> None:
-    from .node import add_node_arguments
+    from edgespec.node import add_node_arguments
 
     p = _add(sub, "node", "run a ring member on this device (hosts stage windows)",
              "Starts the node daemon: it advertises itself over mDNS as _edgespec._tcp, "
@@ -231,9 +231,9 @@ def _add_node(sub) -> None:
 # ------------------------------------------------------------------------------------ ring
 
 def _ring_up(args: argparse.Namespace) -> int:
-    from .auth import ensure_key
-    from .models import resolve
-    from .ring import (
+    from edgespec.auth import ensure_key
+    from edgespec.models import resolve
+    from edgespec.ring import (
         discover,
         form_ring,
         head_identity,
@@ -244,7 +244,7 @@ def _ring_up(args: argparse.Namespace) -> int:
         state_path,
         unload_nodes,
     )
-    from .shard import parse_ranges
+    from edgespec.shard import parse_ranges
 
     key = ensure_key(args.key_file)
     model = resolve(args.model)
@@ -263,7 +263,7 @@ def _ring_up(args: argparse.Namespace) -> int:
         ranges = [tuple(r) for r in json.loads(Path(args.plan).read_text())["ranges"]]
     previous: list = []
     if state_path().exists():
-        from .errors import RingError
+        from edgespec.errors import RingError
 
         try:
             previous = named_nodes(load_state())
@@ -293,9 +293,9 @@ def _fmt_gb(v) -> str:
 
 
 def _ring_status(args: argparse.Namespace) -> int:
-    from .auth import load_key
-    from .nodeinfo import describe_holder
-    from .ring import load_state, ring_report
+    from edgespec.auth import load_key
+    from edgespec.nodeinfo import describe_holder
+    from edgespec.ring import load_state, ring_report
 
     state = load_state()
     key = load_key(args.key_file or state.get("key_file"))
@@ -331,8 +331,8 @@ def _ring_status(args: argparse.Namespace) -> int:
 
 
 def _ring_down(args: argparse.Namespace) -> int:
-    from .auth import load_key
-    from .ring import head_identity, load_state, named_nodes, state_path, unload_nodes
+    from edgespec.auth import load_key
+    from edgespec.ring import head_identity, load_state, named_nodes, state_path, unload_nodes
 
     state = load_state()
     key = load_key(args.key_file or state.get("key_file"))
@@ -348,8 +348,8 @@ def _ring_down(args: argparse.Namespace) -> int:
 
 
 def _ring_rebalance(args: argparse.Namespace) -> int:
-    from .auth import load_key
-    from .ring import (
+    from edgespec.auth import load_key
+    from edgespec.ring import (
         head_identity,
         load_state,
         node_addresses,
@@ -459,8 +459,8 @@ class _StoreGiven(argparse.Action):
 
 
 def _open_ring(args: argparse.Namespace):
-    from .api import Ring
-    from .ring import state_path
+    from edgespec.api import Ring
+    from edgespec.ring import state_path
 
     if args.local is None and state_path().exists():
         return Ring.attach(spec=args.spec, draft=args.draft, draft_quant=args.draft_quant,
@@ -484,7 +484,7 @@ def _exit_on_hangup() -> None:
 
 
 def _chat(args: argparse.Namespace) -> int:
-    from .chat import run_chat, run_server_chat
+    from edgespec.chat import run_chat, run_server_chat
 
     _exit_on_hangup()
 
@@ -505,7 +505,7 @@ def _warn_other_model(args: argparse.Namespace, ring) -> None:
     when the user asked for another one instead of silently chatting with the wrong model."""
     from pathlib import Path
 
-    from .models import REGISTRY
+    from edgespec.models import REGISTRY
 
     if not getattr(args, "model_given", False):
         return
@@ -553,7 +553,7 @@ def _check_port_free(host: str, port: int) -> None:
 def _serve(args: argparse.Namespace) -> int:
     import os
 
-    from .server import serve
+    from edgespec.server import serve
 
     _check_port_free(args.host, args.port)
     with _open_ring(args) as ring:
@@ -584,7 +584,7 @@ def _add_serve(sub) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from edgespec.demo import run_demo
 
     _exit_on_hangup()
     return run_demo(args)
@@ -672,7 +672,7 @@ def _address_of(exc: BaseException, args: argparse.Namespace) -> str:
 
 
 def _key_hint(args: argparse.Namespace) -> str:
-    from .auth import default_key_path
+    from edgespec.auth import default_key_path
 
     key = getattr(args, "key_file", None) or default_key_path()
     return (f"every member must hold the same ring key: copy {key} to that node and start it "
@@ -684,13 +684,13 @@ def explain(exc: BaseException, args: argparse.Namespace) -> str | None:
     anything else (a bug: then the traceback matters)."""
     import errno as _errno
 
-    from .auth import AuthError, KeyFileError
-    from .errors import RequestError
-    from .errors import RingError as _RingError
-    from .models import ModelError
-    from .ring import RingError as _RingStateError
-    from .shard import ShardError
-    from .transport import TransportError
+    from edgespec.auth import AuthError, KeyFileError
+    from edgespec.errors import RequestError
+    from edgespec.errors import RingError as _RingError
+    from edgespec.models import ModelError
+    from edgespec.ring import RingError as _RingStateError
+    from edgespec.shard import ShardError
+    from edgespec.transport import TransportError
 
     cmd = args.command
     if isinstance(exc, AuthError):
@@ -735,10 +735,10 @@ def explain(exc: BaseException, args: argparse.Namespace) -> str | None:
     if isinstance(exc, ValueError):
         return str(exc)
     try:  # these pull in llama.cpp: the failure being explained may be that it cannot load
-        from .chat import ServerError
-        from .discovery import DiscoveryError
-        from .llamacpp import LlamaLoadError
-        from .transfer import TransferError
+        from edgespec.chat import ServerError
+        from edgespec.discovery import DiscoveryError
+        from edgespec.llamacpp import LlamaLoadError
+        from edgespec.transfer import TransferError
     except ImportError:
         return None
     if isinstance(exc, (ServerError, DiscoveryError, LlamaLoadError, TransferError)):

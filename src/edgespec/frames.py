@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .chain import Batch, Result, Sampling
-from .wire import FieldTag, Kind, Message, kv_ops_list, seq_lists, seq_matrix
+from edgespec.chain import Batch, Result, Sampling
+from edgespec.wire import FieldTag, Kind, Message, kv_ops_list, seq_lists, seq_matrix
 
 
 def _meta(batch: Batch) -> dict:
@@ -41,7 +41,7 @@ def batch_message(batch: Batch, hidden: np.ndarray | None = None, encoding: str 
     if hidden is None:
         fields[FieldTag.TOKENS] = batch.tokens
         return Message(Kind.TOKENS, fields, lap_id=batch.lap, segment_id=batch.segment)
-    from .wire import HIDDEN_ENCODINGS
+    from edgespec.wire import HIDDEN_ENCODINGS
 
     fields[FieldTag.HIDDEN] = hidden
     return Message(Kind.HIDDEN, fields, lap_id=batch.lap, segment_id=batch.segment,

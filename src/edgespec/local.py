@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import models
-from .node import PARENT_ENV
+from edgespec import models
+from edgespec.node import PARENT_ENV
 
 _LISTEN = re.compile(r"edgespec node \S+ \((\S+)\) on ([\d.]+):(\d+)")
 
@@ -112,12 +112,12 @@ def make_drafter(model_path: Path, draft: str | os.PathLike[str] | None, kind: s
     else retrieval. ``draft_quant``: draft with a cached Q4_0 copy of the draft model
     (``"none"``: as given); see :mod:`edgespec.spec.draft_quant` for why that never changes the
     output."""
-    from .spec import RetrievalDrafter
+    from edgespec.spec import RetrievalDrafter
 
     if draft is None or kind == "retrieval":
         return RetrievalDrafter()
-    from .spec import DraftModelDrafter, HybridDrafter
-    from .spec.draft_quant import fast_draft
+    from edgespec.spec import DraftModelDrafter, HybridDrafter
+    from edgespec.spec.draft_quant import fast_draft
 
     draft_path = fast_draft(models.resolve(draft), draft_quant)
     model_drafter = DraftModelDrafter(draft_path, target=model_path)
@@ -132,14 +132,14 @@ def open_local_ring(cls, model: str | os.PathLike[str], stages: int, *, draft=No
                     encoding: str = "f32", threads: int = 1, proxy=None,
                     ranges=None, rounds: int = 1, draft_quant: str = "q4_0", **engine: Any):
     """Build a ``Ring`` (class ``cls``) over ``stages`` windows of ``model`` on this host."""
-    from .llamacpp import Tokenizer, load_model, set_verbose
-    from .shard import even_ranges, read_info
+    from edgespec.llamacpp import Tokenizer, load_model, set_verbose
+    from edgespec.shard import even_ranges, read_info
 
     set_verbose(verbose)
     model_path = models.resolve(model)
     if draft is not None and drafter != "retrieval":
         # A draft of another family is refused before any node process starts.
-        from .spec.draft_model import check_draft_tokenizer
+        from edgespec.spec.draft_model import check_draft_tokenizer
 
         check_draft_tokenizer(models.resolve(draft), model_path)
     info = read_info(model_path)
@@ -150,13 +150,13 @@ def open_local_ring(cls, model: str | os.PathLike[str], stages: int, *, draft=No
     nodes = None
     try:
         if processes:
-            from .auth import write_key
-            from .ring import form_ring, head_identity, reform_ring
+            from edgespec.auth import write_key
+            from edgespec.ring import form_ring, head_identity, reform_ring
 
             tmp = tempfile.TemporaryDirectory(prefix="edgespec-local-")
             cleanup.append(tmp.cleanup)
             key_file = write_key(Path(tmp.name) / "ring.key")
-            from .auth import load_key
+            from edgespec.auth import load_key
 
             key = load_key(key_file)
             nodes = LocalNodes(stages // rounds if rounds > 1 else stages, key_file,
@@ -180,9 +180,9 @@ def open_local_ring(cls, model: str | os.PathLike[str], stages: int, *, draft=No
                 return reform_ring(live, model_path, key, n_ctx=n_ctx, encoding=encoding,
                                    profile=False, proxy=proxy, log_fn=quiet, head=head)
         else:
-            from .chain import LocalChain
-            from .shard import cut_window, fingerprint
-            from .stage import StageRuntime
+            from edgespec.chain import LocalChain
+            from edgespec.shard import cut_window, fingerprint
+            from edgespec.stage import StageRuntime
 
             fp = fingerprint(model_path)
             shard_dir = models.home() / "shards"

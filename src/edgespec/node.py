@@ -43,12 +43,20 @@ from typing import Any
 
 import numpy as np
 
-from . import __version__, transfer
-from .chain import StageWorker
-from .frames import batch_message, message_batch, result_message
-from .nodeinfo import describe_holder
-from .transport import Connection, Frame, FrameServer, TransportError, connect
-from .wire import PROTOCOL_VERSION, FieldTag, Kind, Message, WireError, error_message, kv_ops_list
+from edgespec import __version__, transfer
+from edgespec.chain import StageWorker
+from edgespec.frames import batch_message, message_batch, result_message
+from edgespec.nodeinfo import describe_holder
+from edgespec.transport import Connection, Frame, FrameServer, TransportError, connect
+from edgespec.wire import (
+    PROTOCOL_VERSION,
+    FieldTag,
+    Kind,
+    Message,
+    WireError,
+    error_message,
+    kv_ops_list,
+)
 
 log = logging.getLogger("edgespec.node")
 
@@ -110,8 +118,8 @@ class Node:
                  port: int = 0, cache_dir: str | os.PathLike[str] | None = None,
                  n_gpu_layers: int = 0, n_threads: int | None = None,
                  node_id: str | None = None) -> None:
-        from . import models
-        from .nodeinfo import load_or_create_node_id
+        from edgespec import models
+        from edgespec.nodeinfo import load_or_create_node_id
 
         self.key = key
         self.cache_dir = Path(cache_dir) if cache_dir else models.home()
@@ -441,7 +449,7 @@ class Node:
         return {}
 
     def _op_health(self, conn: Connection, meta: dict, blob: Any) -> dict:
-        from .nodeinfo import detect_backend, free_ram_bytes, free_vram_bytes
+        from edgespec.nodeinfo import detect_backend, free_ram_bytes, free_vram_bytes
 
         with self._lock:
             slots = list(self.slots.values())
@@ -472,7 +480,7 @@ class Node:
         return {"_blob": bytes(blob) if blob is not None else None}
 
     def _resolve_model(self, meta: dict) -> Path:
-        from .shard import fingerprint
+        from edgespec.shard import fingerprint
 
         path = Path(str(meta.get("model_path", "")))
         want_fp = meta.get("fingerprint")
@@ -483,7 +491,7 @@ class Node:
         raise FileNotFoundError(f"model {path} is not on node {self.name}; send its shards")
 
     def _op_profile(self, conn: Connection, meta: dict, blob: Any) -> dict:
-        from .profile import profile_layers
+        from edgespec.profile import profile_layers
 
         sizes = meta.get("batch_sizes", (1, 4, 16))
         # Bounded: a profile context holds 2 x the largest batch; a typo must not ask for GBs.
@@ -499,8 +507,8 @@ class Node:
     def _op_load(self, conn: Connection, meta: dict, blob: Any) -> dict:
         """Load windows: {"model_path", "fingerprint", "windows": [[stage, a, b, is_last]],
         "n_ctx", "n_seq_max", "encoding"}."""
-        from .shard import cut_window
-        from .stage import StageRuntime
+        from edgespec.shard import cut_window
+        from edgespec.stage import StageRuntime
 
         sent = {int(k): Path(v) for k, v in (meta.get("shard_paths") or {}).items()}
         fp = str(meta.get("fingerprint", ""))
@@ -640,7 +648,7 @@ def advertised_addresses(bind: str) -> list[str]:
     which would send the head to itself. With no LAN interface at all (a host with only
     loopback) the node is advertised on 127.0.0.1, so a head on the same host still finds it.
     """
-    from .discovery import local_addresses
+    from edgespec.discovery import local_addresses
 
     if bind not in ("0.0.0.0", "::", ""):
         return [bind]
@@ -671,9 +679,9 @@ def die_with_parent() -> None:
 
 
 def run_node_command(args: argparse.Namespace) -> int:
-    from .auth import load_key
-    from .discovery import advertise
-    from .nodeinfo import describe_this_node
+    from edgespec.auth import load_key
+    from edgespec.discovery import advertise
+    from edgespec.nodeinfo import describe_this_node
 
     die_with_parent()
     key = load_key(args.key_file)

@@ -24,8 +24,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from .shard import MANIFEST_NAME, Manifest, ShardError, shard_model
-from .stage import (
+from edgespec.shard import MANIFEST_NAME, Manifest, ShardError, shard_model
+from edgespec.stage import (
     FingerprintMismatchError,
     InputError,
     SeqIds,

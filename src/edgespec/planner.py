@@ -129,7 +129,7 @@ def model_memory(path: str | Path) -> ModelMemory:
     """
     import re
 
-    from .shard import ARCHITECTURES, _open
+    from edgespec.shard import ARCHITECTURES, _open
 
     with _open(path) as h:
         arch, n_layer, n_embd, _n_vocab = h.dims()

@@ -18,9 +18,9 @@ def profile_layers(model: str | Path, *, cache_dir: str | Path, n_threads: int |
                    n_gpu_layers: int = 0, batch_sizes: Sequence[int] = (1, 4, 16),
                    layers: int = 2, reps: int = 3) -> dict:
     """Measure ms per layer for each batch size; also report free memory."""
-    from .nodeinfo import free_ram_bytes, free_vram_bytes
-    from .shard import cut_window, fingerprint, read_info
-    from .stage import StageRuntime
+    from edgespec.nodeinfo import free_ram_bytes, free_vram_bytes
+    from edgespec.shard import cut_window, fingerprint, read_info
+    from edgespec.stage import StageRuntime
 
     model = Path(model)
     info = read_info(model)

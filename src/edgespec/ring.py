@@ -33,13 +33,13 @@ from typing import Any
 
 import numpy as np
 
-from .auth import AuthError
-from .chain import Batch, Result
-from .errors import NodeLost, RingBusy, RingError, StageFailure
-from .frames import batch_message, message_result
-from .planner import NodeProfile, Plan, PlanError, model_memory, plan_ring
-from .transport import Connection, TransportError, connect
-from .wire import FieldTag, Kind, KvOp, Message, control_message
+from edgespec.auth import AuthError
+from edgespec.chain import Batch, Result
+from edgespec.errors import NodeLost, RingBusy, RingError, StageFailure
+from edgespec.frames import batch_message, message_result
+from edgespec.planner import NodeProfile, Plan, PlanError, model_memory, plan_ring
+from edgespec.transport import Connection, TransportError, connect
+from edgespec.wire import FieldTag, Kind, KvOp, Message, control_message
 
 log = logging.getLogger("edgespec.ring")
 
@@ -105,7 +105,7 @@ DEAD_AFTER_S = float(os.environ.get("EDGESPEC_DEAD_AFTER_S", "2.0"))
 
 
 def state_path() -> Path:
-    from .models import home
+    from edgespec.models import home
 
     return home() / "ring.json"
 
@@ -338,8 +338,8 @@ def form_ring(addresses: Sequence[Address], model: str | os.PathLike[str], key: 
     ``head`` is this head's identity (``head_identity()``); a node held by another head is
     refused with RingBusy naming it, unless ``take_over``.
     """
-    from .nodeinfo import describe_holder
-    from .shard import fingerprint, read_info
+    from edgespec.nodeinfo import describe_holder
+    from edgespec.shard import fingerprint, read_info
 
     head = head or head_identity()
     hold = {"head": head, "take_over": bool(take_over)}
@@ -440,9 +440,9 @@ def link_stages(members: Sequence[_Member], windows: Sequence[Any],
 def _send_windows(m: _Member, model_path: Path, fp: str, wins: list) -> dict[str, str]:
     """Cut this node's windows here and send them (resumable, sha256-checked, cached by
     fingerprint on the node: a shard it already holds is not sent again)."""
-    from .models import home
-    from .shard import cut_window
-    from .transfer import send_shard
+    from edgespec.models import home
+    from edgespec.shard import cut_window
+    from edgespec.transfer import send_shard
 
     def request(op: str, blob: bytes | None = None, **body: Any) -> Message:
         return m.request(op, blob=blob, timeout=120, **body)
@@ -708,7 +708,7 @@ def discover(expect: int | None, timeout: float, key: bytes | None = None,
     the handshake or stalls is skipped, named in the log, and does not count toward
     ``expect``; browsing goes on for real nodes until ``timeout``.
     """
-    from .discovery import browse
+    from edgespec.discovery import browse
 
     deadline = time.monotonic() + timeout
     good: list[Address] = []
@@ -780,8 +780,8 @@ def attach_chain(state: dict, key: bytes, *, head: dict | None = None,
     Raises NodeLost when a node of the plan is unreachable or no longer holds its windows
     (it restarted), so the caller can re-form the ring instead of decoding garbage.
     """
-    from .nodeinfo import describe_holder
-    from .planner import Window
+    from edgespec.nodeinfo import describe_holder
+    from edgespec.planner import Window
 
     head = head or head_identity()
     addresses = [(n["host"], int(n["port"])) for n in state["nodes"]]
@@ -813,7 +813,7 @@ def attach_chain(state: dict, key: bytes, *, head: dict | None = None,
         for m in members:
             m.close()
         raise
-    from .shard import read_info
+    from edgespec.shard import read_info
 
     chain = RemoteChain(members, plan, read_info(state["model"]).n_vocab,
                         state.get("encoding", "f32"))
@@ -826,8 +826,8 @@ def attach_chain(state: dict, key: bytes, *, head: dict | None = None,
 def _head_for(cls, chain: RemoteChain, model: Path, *, spec: str = "auto", draft=None,
               drafter: str = "auto", n_ctx: int = 4096, on_close=None, recover=None,
               draft_quant: str = "q4_0", **engine: Any):
-    from .llamacpp import Tokenizer, load_model
-    from .local import make_drafter
+    from edgespec.llamacpp import Tokenizer, load_model
+    from edgespec.local import make_drafter
 
     tok_model = load_model(model, vocab_only=True)
 
@@ -864,7 +864,7 @@ def attach(cls, state: str | os.PathLike[str] | None = None, *, key: str | None 
 
     A node that restarted or vanished since is handled like a loss: the ring is re-formed
     over the nodes that answer (and the state file updated)."""
-    from .auth import load_key
+    from edgespec.auth import load_key
 
     st = load_state(state)
     key_bytes = load_key(key or st.get("key_file"))
@@ -889,13 +889,13 @@ def up(cls, model: str | os.PathLike[str], nodes: str = "auto", *, key: str | No
        encoding: str = "f32", spec: str = "auto", draft=None, take_over: bool = False,
        **engine: Any):
     """Discover (or list) nodes, form the ring, save its state, and return its head."""
-    from .auth import ensure_key
-    from .models import resolve
+    from edgespec.auth import ensure_key
+    from edgespec.models import resolve
 
     key_bytes = ensure_key(key)
     model_path = resolve(model)
     if draft is not None:  # refuse a draft of another family before any node loads anything
-        from .spec.draft_model import check_draft_tokenizer
+        from edgespec.spec.draft_model import check_draft_tokenizer
 
         check_draft_tokenizer(resolve(draft), model_path)
     head = head_identity()

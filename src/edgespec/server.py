@@ -76,9 +76,9 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from . import errors
-from . import ring as _ring_mod
-from .api import Generation, Ring, TextStream
+from edgespec import errors
+from edgespec import ring as _ring_mod
+from edgespec.api import Generation, Ring, TextStream
 
 log = logging.getLogger("edgespec.server")
 

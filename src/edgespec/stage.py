@@ -35,8 +35,8 @@ from typing import Any, Union
 import llama_cpp
 import numpy as np
 
-from . import llamacpp
-from .shard import (
+from edgespec import llamacpp
+from edgespec.shard import (
     ARCHITECTURES,
     MANIFEST_NAME,
     CorruptShardError,
@@ -234,7 +234,7 @@ class StageRuntime:
             handling = ARCHITECTURES.get(info.architecture)
             restore = handling.restore_input if handling is not None and not self.is_first else None
             if not self.is_last or restore:
-                from ._native import core as _core
+                from edgespec._native import core as _core
 
                 fns = llamacpp.ggml_function_addresses()
                 self._capture = _core.HiddenCapture(

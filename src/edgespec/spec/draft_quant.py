@@ -20,9 +20,9 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from .. import models
-from ..llamacpp import LlamaLoadError, quantize_model
-from ..shard import fingerprint, read_tensor_types
+from edgespec import models
+from edgespec.llamacpp import LlamaLoadError, quantize_model
+from edgespec.shard import fingerprint, read_tensor_types
 
 log = logging.getLogger(__name__)
 

@@ -42,11 +42,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .. import core
-from ..chain import Batch, Chain, Sampling
-from ..wire import KvOp, KvOpCode
-from .drafters import Drafter, DraftTree
-from .gain import GainMeter
+from edgespec import core
+from edgespec.chain import Batch, Chain, Sampling
+from edgespec.spec.drafters import Drafter, DraftTree
+from edgespec.spec.gain import GainMeter
+from edgespec.wire import KvOp, KvOpCode
 
 log = logging.getLogger(__name__)
 
