@@ -141,8 +141,8 @@ def main() -> None:
     budgets = [int(b) for b in args.budgets.split(",")]
 
     sys.path.insert(0, str(REPO))
-    from edgespec import models
-    from edgespec.llamacpp import Tokenizer, load_model
+    from edgespec.llm import models
+    from edgespec.llm.llamacpp import Tokenizer, load_model
     from edgespec.spec import HybridDrafter, RetrievalDrafter
 
     model_path = models.ensure(args.model)

@@ -55,7 +55,7 @@ CHAT_PROMPTS = [
 
 
 def _model_path(name: str) -> Path:
-    from edgespec import models
+    from edgespec.llm import models
 
     return Path(models.resolve(name))
 
@@ -65,7 +65,7 @@ def run_overhead(model: str, stages: list[int], n_tokens: int, log) -> list[dict
 
     path = _model_path(model)
     out: list[dict[str, Any]] = []
-    from edgespec.llamacpp import Tokenizer, load_model
+    from edgespec.llm.llamacpp import Tokenizer, load_model
 
     vocab = load_model(path, vocab_only=True)
     prompts = [Tokenizer(vocab).encode(p) for p in CODE_PROMPTS]

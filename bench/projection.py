@@ -40,7 +40,7 @@ ROWS = (1, 2, 4, 8, 16, 32)
 def stage_shard(model_path: Path, a: int, b: int) -> Path:
     """The shard a local ring node would cut for window [a, b) (same cache file name, so the
     benchmark's nodes and this measurement share one copy)."""
-    from edgespec import models
+    from edgespec.llm import models
     from edgespec.shard import cut_window, fingerprint
 
     fp = fingerprint(model_path)

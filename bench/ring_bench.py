@@ -65,7 +65,7 @@ from pathlib import Path
 from typing import Any
 
 # Several llama.cpp contexts share the cores: passive OpenMP waiting (docs/design.md 3.7), before any
-# llama_cpp import (edgespec.llamacpp sets it too).
+# llama_cpp import (edgespec.llm.llamacpp sets it too).
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 from bench import projection as projection_mod  # noqa: E402
@@ -210,10 +210,10 @@ def link_bytes(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, i
 def _no_extra_bufts() -> Iterator[None]:
     """``llama_cpp.Llama`` has no ``use_extra_bufts`` argument; its AMX path segfaults on AMX
     Xeons (docs/design.md 3.6). Hand it default model params with extra buffer types as the ring's
-    stages get them (edgespec.llamacpp.extra_bufts_default) while it loads."""
+    stages get them (edgespec.llm.llamacpp.extra_bufts_default) while it loads."""
     import llama_cpp.llama_cpp as ll
 
-    from edgespec.llamacpp import extra_bufts_default
+    from edgespec.llm.llamacpp import extra_bufts_default
 
     if extra_bufts_default():
         yield
@@ -238,7 +238,7 @@ def run_single(model_path: Path, prompts: list[list[int]], n_tokens: int, thread
     import llama_cpp
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-    import edgespec.llamacpp  # noqa: F401  (passive OpenMP before llama_cpp loads)
+    import edgespec.llm.llamacpp  # noqa: F401  (passive OpenMP before llama_cpp loads)
 
     kwargs: dict[str, Any] = {}
     if lookup:
@@ -656,8 +656,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - t_start:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
-    from edgespec import models
-    from edgespec.llamacpp import Tokenizer, load_model
+    from edgespec.llm import models
+    from edgespec.llm.llamacpp import Tokenizer, load_model
 
     target = models.ensure(target_name)
     draft = models.ensure(draft_name) if {"model", "auto"} & set(drafters) else None

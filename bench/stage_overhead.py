@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edgespec import llamacpp
+from edgespec.llm import llamacpp
 from edgespec.pipeline import LocalPipeline
 from edgespec.stage import StageRuntime
 
@@ -56,7 +56,7 @@ def time_call(pipe: LocalPipeline, tokens: np.ndarray, start: int) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", help="GGUF model (default: Qwen2.5-Coder-0.5B via edgespec.models)")
+    ap.add_argument("--model", help="GGUF model (default: Qwen2.5-Coder-0.5B via edgespec.llm.models)")
     ap.add_argument("--windows", type=int, default=3, help="windows in the split chain")
     ap.add_argument("--steps", type=int, default=30, help="timed calls per batch size and side")
     ap.add_argument("--threads", type=int, default=1, help="threads per context")
@@ -66,7 +66,7 @@ def main() -> int:
     if args.model:
         model = Path(args.model)
     else:
-        from edgespec import models
+        from edgespec.llm import models
 
         model = Path(models.ensure("qwen2.5-coder-0.5b"))
     kw = dict(n_ctx=1024, n_batch=128, n_threads=args.threads, n_seq_max=2)

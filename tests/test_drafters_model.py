@@ -14,7 +14,7 @@ import pytest
 from test_drafters_retrieval import assert_well_formed
 from tinygguf import make_tiny_gguf
 
-from edgespec.llamacpp import Tokenizer, load_model, new_context
+from edgespec.llm.llamacpp import Tokenizer, load_model, new_context
 from edgespec.spec import HybridDrafter, RetrievalDrafter
 from edgespec.spec.draft_model import (
     DraftModelDrafter,
@@ -237,7 +237,7 @@ def test_hybrid_retrieval_first_then_model_fills(tiny: dict[str, Path], draft_re
 @pytest.mark.real_model
 def test_real_model_pair(real_model_path: Path) -> None:
     """Qwen2.5-Coder 0.5B drafts for 1.5B: same tokenizer; greedy chain and KV check on the 0.5B."""
-    from edgespec import models
+    from edgespec.llm import models
 
     target = models.ensure("qwen2.5-coder-1.5b")
     ref = Reference(real_model_path)

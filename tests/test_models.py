@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from edgespec import models
+from edgespec.llm import models
 
 
 def _make_part_packages(root: Path, prefix: str, chunks: list[bytes]) -> None:

@@ -13,7 +13,7 @@ import pytest
 from stage_fixtures import tiny_dir, tiny_llama, tiny_qwen2  # noqa: F401 - fixtures
 from tinygguf import make_bare_gguf, make_tiny_gguf, min_vocab
 
-from edgespec import llamacpp
+from edgespec.llm import llamacpp
 from edgespec.shard import (
     MANIFEST_NAME,
     CorruptShardError,

@@ -96,7 +96,7 @@ def test_ring_over_nodes_without_the_model(tmp_path, caplog):
     from tinygguf import make_tiny_gguf
 
     from edgespec.api import Ring
-    from edgespec.llamacpp import Tokenizer, load_model
+    from edgespec.llm.llamacpp import Tokenizer, load_model
     from edgespec.local import LocalNodes
     from edgespec.ring import form_ring
 

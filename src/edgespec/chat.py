@@ -139,7 +139,7 @@ class LineReader:
                 self._load_history()
 
     def _load_history(self) -> None:
-        from edgespec.models import home
+        from edgespec.llm.models import home
 
         self.history_path = home() / HISTORY_FILE
         rl = self._readline

@@ -104,7 +104,7 @@ def _set_help(parser: argparse.ArgumentParser, option: str, text: str) -> None:
 # ----------------------------------------------------------------------------------- models
 
 def _models_list(args: argparse.Namespace) -> int:
-    from edgespec import models
+    from edgespec.llm import models
 
     print(f"{'name':22} {'arch':6} {'layers':>6} {'size':>9}  {'cached':8} description")
     for spec in models.REGISTRY.values():
@@ -118,7 +118,7 @@ def _models_list(args: argparse.Namespace) -> int:
 
 
 def _models_fetch(args: argparse.Namespace) -> int:
-    from edgespec import models
+    from edgespec.llm import models
 
     was = models.cache_state(args.name)
     path = models.fetch(args.name, progress=not args.quiet)
@@ -129,14 +129,14 @@ def _models_fetch(args: argparse.Namespace) -> int:
 
 
 def _models_path(args: argparse.Namespace) -> int:
-    from edgespec import models
+    from edgespec.llm import models
 
     print(models.resolve(args.name, fetch_missing=False))
     return 0
 
 
 def _models_verify(args: argparse.Namespace) -> int:
-    from edgespec import models
+    from edgespec.llm import models
 
     if models.verify(args.name, progress=True):
         print(f"ok: {models.cached_path(args.name)}")
@@ -167,7 +167,7 @@ def _add_models(sub) -> None:
 # --------------------------------------------------------------------------- shard / keygen
 
 def _shard(args: argparse.Namespace) -> int:
-    from edgespec.models import resolve
+    from edgespec.llm.models import resolve
     from edgespec.shard import run_shard_command
 
     # Registry names work here as in every command (fetched into the cache if needed).
@@ -232,7 +232,7 @@ def _add_node(sub) -> None:
 
 def _ring_up(args: argparse.Namespace) -> int:
     from edgespec.auth import ensure_key
-    from edgespec.models import resolve
+    from edgespec.llm.models import resolve
     from edgespec.ring import (
         discover,
         form_ring,
@@ -505,7 +505,7 @@ def _warn_other_model(args: argparse.Namespace, ring) -> None:
     when the user asked for another one instead of silently chatting with the wrong model."""
     from pathlib import Path
 
-    from edgespec.models import REGISTRY
+    from edgespec.llm.models import REGISTRY
 
     if not getattr(args, "model_given", False):
         return
@@ -687,7 +687,7 @@ def explain(exc: BaseException, args: argparse.Namespace) -> str | None:
     from edgespec.auth import AuthError, KeyFileError
     from edgespec.errors import RequestError
     from edgespec.errors import RingError as _RingError
-    from edgespec.models import ModelError
+    from edgespec.llm.models import ModelError
     from edgespec.ring import RingError as _RingStateError
     from edgespec.shard import ShardError
     from edgespec.transport import TransportError
@@ -737,7 +737,7 @@ def explain(exc: BaseException, args: argparse.Namespace) -> str | None:
     try:  # these pull in llama.cpp: the failure being explained may be that it cannot load
         from edgespec.chat import ServerError
         from edgespec.discovery import DiscoveryError
-        from edgespec.llamacpp import LlamaLoadError
+        from edgespec.llm.llamacpp import LlamaLoadError
         from edgespec.transfer import TransferError
     except ImportError:
         return None

@@ -14,8 +14,8 @@ PROMPT = ("Write a Python function `is_palindrome(s: str) -> bool` that ignores 
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from edgespec import models
     from edgespec.api import Ring
+    from edgespec.llm import models
 
     t0 = time.perf_counter()
     name = args.model

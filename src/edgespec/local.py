@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from edgespec import models
+from edgespec.llm import models
 from edgespec.node import PARENT_ENV
 
 _LISTEN = re.compile(r"edgespec node \S+ \((\S+)\) on ([\d.]+):(\d+)")
@@ -132,7 +132,7 @@ def open_local_ring(cls, model: str | os.PathLike[str], stages: int, *, draft=No
                     encoding: str = "f32", threads: int = 1, proxy=None,
                     ranges=None, rounds: int = 1, draft_quant: str = "q4_0", **engine: Any):
     """Build a ``Ring`` (class ``cls``) over ``stages`` windows of ``model`` on this host."""
-    from edgespec.llamacpp import Tokenizer, load_model, set_verbose
+    from edgespec.llm.llamacpp import Tokenizer, load_model, set_verbose
     from edgespec.shard import even_ranges, read_info
 
     set_verbose(verbose)

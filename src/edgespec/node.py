@@ -118,7 +118,7 @@ class Node:
                  port: int = 0, cache_dir: str | os.PathLike[str] | None = None,
                  n_gpu_layers: int = 0, n_threads: int | None = None,
                  node_id: str | None = None) -> None:
-        from edgespec import models
+        from edgespec.llm import models
         from edgespec.nodeinfo import load_or_create_node_id
 
         self.key = key

@@ -105,7 +105,7 @@ DEAD_AFTER_S = float(os.environ.get("EDGESPEC_DEAD_AFTER_S", "2.0"))
 
 
 def state_path() -> Path:
-    from edgespec.models import home
+    from edgespec.llm.models import home
 
     return home() / "ring.json"
 
@@ -440,7 +440,7 @@ def link_stages(members: Sequence[_Member], windows: Sequence[Any],
 def _send_windows(m: _Member, model_path: Path, fp: str, wins: list) -> dict[str, str]:
     """Cut this node's windows here and send them (resumable, sha256-checked, cached by
     fingerprint on the node: a shard it already holds is not sent again)."""
-    from edgespec.models import home
+    from edgespec.llm.models import home
     from edgespec.shard import cut_window
     from edgespec.transfer import send_shard
 
@@ -826,7 +826,7 @@ def attach_chain(state: dict, key: bytes, *, head: dict | None = None,
 def _head_for(cls, chain: RemoteChain, model: Path, *, spec: str = "auto", draft=None,
               drafter: str = "auto", n_ctx: int = 4096, on_close=None, recover=None,
               draft_quant: str = "q4_0", **engine: Any):
-    from edgespec.llamacpp import Tokenizer, load_model
+    from edgespec.llm.llamacpp import Tokenizer, load_model
     from edgespec.local import make_drafter
 
     tok_model = load_model(model, vocab_only=True)
@@ -890,7 +890,7 @@ def up(cls, model: str | os.PathLike[str], nodes: str = "auto", *, key: str | No
        **engine: Any):
     """Discover (or list) nodes, form the ring, save its state, and return its head."""
     from edgespec.auth import ensure_key
-    from edgespec.models import resolve
+    from edgespec.llm.models import resolve
 
     key_bytes = ensure_key(key)
     model_path = resolve(model)

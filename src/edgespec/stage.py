@@ -35,7 +35,7 @@ from typing import Any, Union
 import llama_cpp
 import numpy as np
 
-from edgespec import llamacpp
+from edgespec.llm import llamacpp
 from edgespec.shard import (
     ARCHITECTURES,
     MANIFEST_NAME,
@@ -164,13 +164,13 @@ class StageRuntime:
         n_batch: rows per llama_decode; longer inputs are processed in chunks of this size.
         n_ubatch: physical micro-batch (default ``n_batch``).
         n_seq_max: sequence ids (tree leaves + 1), 1..256.
-        n_threads: compute threads (default :func:`edgespec.llamacpp.default_threads`).
+        n_threads: compute threads (default :func:`edgespec.llm.llamacpp.default_threads`).
         n_gpu_layers: layers of this window to offload to a GPU (-1 = all).
         expect_fingerprint: refuse a shard of another model.
         verify_sha256: check the file against the ``manifest.json`` next to it (None = when one
             lists it), or against this hex digest when a string is given.
         cache_dir: where ``(model_path, range)`` windows are cut (default: next to the model).
-        use_extra_bufts: CPU extra buffer types (see :func:`edgespec.llamacpp.load_model`).
+        use_extra_bufts: CPU extra buffer types (see :func:`edgespec.llm.llamacpp.load_model`).
         flash_attn: None = off on CPU-only runtimes (``n_gpu_layers == 0``): llama.cpp's CPU flash
             attention makes a 1-row batch differ from the same row in a bigger batch (4e-3 on
             the tiny test models), which breaks "tree logits == sequential logits", and it is not
@@ -558,7 +558,7 @@ class StageRuntime:
                 "drop sequences or truncate")
         if rc != 0:
             raise DecodeError(f"stage {self.layer_range}: llama_decode returned {rc} "
-                              "(enable edgespec.llamacpp.set_verbose(True) for llama.cpp's reason)")
+                              "(enable edgespec.llm.llamacpp.set_verbose(True) for llama.cpp's reason)")
         if self._capture is not None and self._capture.error:
             raise DecodeError(f"stage {self.layer_range}: hidden-state capture failed: {self._capture.error}")
         if self._capture is not None and self._capture.restore_name and self._capture.restored_rows != m:

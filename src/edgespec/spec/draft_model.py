@@ -31,10 +31,10 @@ from pathlib import Path as FsPath
 import numpy as np
 
 # isort: off
-# edgespec.llamacpp must be imported before llama_cpp: it sets OMP_WAIT_POLICY first (docs/design.md 3.7).
-from edgespec.llamacpp import Context, Model, load_model, new_context
+# edgespec.llm.llamacpp must be imported before llama_cpp: it sets OMP_WAIT_POLICY first (docs/design.md 3.7).
+from edgespec.llm.llamacpp import Context, Model, load_model, new_context
 import llama_cpp
-from edgespec.models import ModelError
+from edgespec.llm.models import ModelError
 
 # isort: on
 from edgespec.spec.drafters import Drafter, DraftTree, Path, check_request, select_new
@@ -53,7 +53,7 @@ _LLAMA_MAX_SEQ = 256  # llama.cpp's compile-time limit on sequence ids per conte
 class TokenizerMismatchError(ModelError, ValueError):
     """The draft model's vocabulary differs from the target's: its tokens would mean other text.
 
-    A :class:`~edgespec.models.ModelError` (the command line prints it as one line)."""
+    A :class:`~edgespec.llm.models.ModelError` (the command line prints it as one line)."""
 
 
 @dataclass(frozen=True)

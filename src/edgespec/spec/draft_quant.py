@@ -20,8 +20,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from edgespec import models
-from edgespec.llamacpp import LlamaLoadError, quantize_model
+from edgespec.llm import models
+from edgespec.llm.llamacpp import LlamaLoadError, quantize_model
 from edgespec.shard import fingerprint, read_tensor_types
 
 log = logging.getLogger(__name__)

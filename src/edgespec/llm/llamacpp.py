@@ -276,7 +276,7 @@ def load_model(
     if not ptr:
         raise LlamaLoadError(
             f"llama.cpp could not load {p} (corrupt or truncated GGUF, or tensors that do not match "
-            "its metadata); call edgespec.llamacpp.set_verbose(True) to see llama.cpp's reason"
+            "its metadata); call edgespec.llm.llamacpp.set_verbose(True) to see llama.cpp's reason"
         )
     return Model(ptr, p, int(n_gpu_layers), bool(vocab_only))
 
@@ -547,4 +547,4 @@ def quantize_model(src: str | os.PathLike[str], dst: str | os.PathLike[str], qty
     rc = llama_cpp.llama_model_quantize(os.fsencode(src), os.fsencode(dst), ctypes.byref(params))
     if rc != 0:
         raise LlamaLoadError(f"llama.cpp could not quantize {src} to {qtype} (code {rc}); "
-                             "call edgespec.llamacpp.set_verbose(True) to see its reason")
+                             "call edgespec.llm.llamacpp.set_verbose(True) to see its reason")
