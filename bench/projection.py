@@ -41,10 +41,11 @@ def stage_shard(model_path: Path, a: int, b: int) -> Path:
     """The shard a local ring node would cut for window [a, b) (same cache file name, so the
     benchmark's nodes and this measurement share one copy)."""
     from edgespec.llm import models
-    from edgespec.shard import cut_window, fingerprint
+    from edgespec.llm.gguf_read import fingerprint
+    from edgespec.llm.shards import cut_window, shard_file_name
 
     fp = fingerprint(model_path)
-    out = models.home() / "shards" / f"{model_path.stem}.{fp[:12]}.L{a:03d}-{b:03d}.gguf"
+    out = models.home() / "shards" / shard_file_name(a, b, fp, model_path.stem)
     return cut_window(model_path, (a, b), out)
 
 
@@ -55,7 +56,8 @@ def measure_stage_curves(model_path: Path, stages: int, *, rows: Sequence[int] =
     Rows are one sequence at consecutive positions (a chain, the same work per row as a tree
     row: llama.cpp's cost depends on the row count, not on the mask).
     """
-    from edgespec.shard import even_ranges, read_info
+    from edgespec.llm.gguf_read import read_info
+    from edgespec.llm.shards import even_ranges
     from edgespec.stage import StageRuntime
 
     info = read_info(model_path)

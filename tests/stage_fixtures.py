@@ -46,7 +46,7 @@ def tiny_llama(tiny_dir: Path) -> Path:
 @pytest.fixture(scope="session")
 def real_shards(real_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[Path]]:
     """Shard paths of the real model for 2, 3 and 4 windows (see REAL_SPLITS)."""
-    from edgespec.shard import shard_model
+    from edgespec.llm.shards import shard_model
 
     base = tmp_path_factory.mktemp("real-shards")
     two = shard_model(real_model_path, base / "two", ranges=REAL_SPLITS[2], progress=False)

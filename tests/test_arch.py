@@ -1,4 +1,4 @@
-"""Every architecture in edgespec.shard.ARCHITECTURES: a 3-window split of its tiny model computes
+"""Every architecture in edgespec.llm.architectures.ARCHITECTURES: a 3-window split of its tiny model computes
 exactly what the unsplit model computes, in one process (logits) and through a ring of three
 node processes (greedy tokens); architectures outside the table are refused in one line.
 
@@ -20,14 +20,9 @@ import pytest
 from tinygguf import make_bare_gguf, make_tiny_gguf, min_vocab
 
 from edgespec.llm import llamacpp
-from edgespec.shard import (
-    ARCHITECTURES,
-    ShardError,
-    UnsupportedArchitectureError,
-    cut_window,
-    read_info,
-    shard_model,
-)
+from edgespec.llm.architectures import ARCHITECTURES, UnsupportedArchitectureError
+from edgespec.llm.gguf_read import ShardError, read_info
+from edgespec.llm.shards import cut_window, shard_model
 from edgespec.stage import StageRuntime
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from tinygguf import make_tiny_gguf
 
+from edgespec.llm.gguf_read import read_tensor_types
 from edgespec.llm.llamacpp import cpu_has_amx, extra_bufts_default
-from edgespec.shard import read_tensor_types
 from edgespec.spec import DraftModelDrafter
 from edgespec.spec.draft_quant import fast_draft, mostly_fast
 

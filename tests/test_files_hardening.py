@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from tinygguf import make_tiny_gguf
 
-from edgespec.shard import Manifest, ShardError, cut_window, read_info, shard_model
+from edgespec.llm.gguf_read import ShardError, read_info
+from edgespec.llm.shards import Manifest, cut_window, shard_model
 
 
 @pytest.fixture(scope="module")

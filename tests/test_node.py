@@ -30,9 +30,9 @@ from edgespec import auth
 from edgespec.api import Ring
 from edgespec.chain import Batch
 from edgespec.frames import batch_message
+from edgespec.llm.gguf_read import fingerprint
 from edgespec.planner import NodeProfile, PlanError, plan_ring
 from edgespec.ring import RingError, _head_for, form_ring, pick_address
-from edgespec.shard import fingerprint
 from edgespec.transport import RemoteError, TransportError, connect
 from edgespec.wire import FieldTag, Kind, KvOp, KvOpCode, Message, control_message, encode_frame
 

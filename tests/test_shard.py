@@ -1,4 +1,4 @@
-"""edgespec.shard: windows, stub vocabularies, manifest, fingerprints, errors, CLI; plus the
+"""edgespec.llm (shards, gguf_read, architectures): windows, stub vocabularies, manifest, fingerprints, errors, CLI; plus the
 tiny-model generator and the llama.cpp loading helper it relies on."""
 
 from __future__ import annotations
@@ -14,20 +14,22 @@ from stage_fixtures import tiny_dir, tiny_llama, tiny_qwen2  # noqa: F401 - fixt
 from tinygguf import make_bare_gguf, make_tiny_gguf, min_vocab
 
 from edgespec.llm import llamacpp
-from edgespec.shard import (
-    MANIFEST_NAME,
+from edgespec.llm.architectures import UnsupportedArchitectureError
+from edgespec.llm.gguf_read import (
     CorruptShardError,
-    Manifest,
     ShardError,
-    UnsupportedArchitectureError,
-    cut_window,
-    even_ranges,
     file_sha256,
     fingerprint,
-    parse_ranges,
     read_info,
-    shard_model,
     tensor_names,
+)
+from edgespec.llm.shards import (
+    MANIFEST_NAME,
+    Manifest,
+    cut_window,
+    even_ranges,
+    parse_ranges,
+    shard_model,
 )
 
 
@@ -145,12 +147,12 @@ def test_corrupt_files(tiny_qwen2: Path, tmp_path: Path) -> None:  # noqa: F811
 
 def test_cli(tiny_qwen2: Path, tmp_path: Path) -> None:  # noqa: F811
     out = tmp_path / "cli"
-    r = subprocess.run([sys.executable, "-m", "edgespec.shard", str(tiny_qwen2), "--ranges", "0:1,1:4",
+    r = subprocess.run([sys.executable, "-m", "edgespec", "shard", str(tiny_qwen2), "--ranges", "0:1,1:4",
                         "--out", str(out), "--no-progress"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "manifest:" in r.stdout
     assert json.loads((out / MANIFEST_NAME).read_text())["ranges"] == [[0, 1], [1, 4]]
-    r = subprocess.run([sys.executable, "-m", "edgespec.shard", str(tiny_qwen2), "--ranges", "0:1,2:4",
+    r = subprocess.run([sys.executable, "-m", "edgespec", "shard", str(tiny_qwen2), "--ranges", "0:1,2:4",
                         "--out", str(out)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "contiguous" in r.stderr
 
@@ -198,7 +200,7 @@ def test_real_model_streaming_memory(real_model_path: Path, tmp_path: Path) -> N
     # parent across fork+exec, so a child of a big pytest process would report the parent's.
     code = (
         "import sys\n"
-        "from edgespec.shard import shard_model\n"
+        "from edgespec.llm.shards import shard_model\n"
         "m = shard_model(sys.argv[1], sys.argv[2], n_stages=3, progress=False)\n"
         "hwm = next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmHWM'))\n"
         "print(hwm, sum(s.bytes for s in m.shards))\n"

@@ -17,9 +17,10 @@ from stage_fixtures import (  # noqa: F401 - fixtures
 )
 from tinygguf import make_tiny_gguf
 
+from edgespec.llm.gguf_read import CorruptShardError, ShardError
 from edgespec.llm.llamacpp import Tokenizer, load_model
+from edgespec.llm.shards import shard_model
 from edgespec.pipeline import LocalPipeline
-from edgespec.shard import CorruptShardError, ShardError, shard_model
 from edgespec.stage import (
     FingerprintMismatchError,
     InputError,

@@ -12,6 +12,7 @@ import os
 import sys
 import traceback
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from edgespec import __version__
 
@@ -167,25 +168,40 @@ def _add_models(sub) -> None:
 # --------------------------------------------------------------------------- shard / keygen
 
 def _shard(args: argparse.Namespace) -> int:
+    from edgespec.llm.gguf_read import ShardError
     from edgespec.llm.models import resolve
-    from edgespec.shard import run_shard_command
+    from edgespec.llm.shards import MANIFEST_NAME, parse_ranges, shard_model
 
     # Registry names work here as in every command (fetched into the cache if needed).
     args.model = str(resolve(args.model))
     if not sys.stderr.isatty():  # no \r progress updates in a log file
         args.no_progress = True
-    return run_shard_command(args)
+    try:
+        ranges = parse_ranges(args.ranges) if args.ranges else None
+        manifest = shard_model(args.model, args.out, ranges=ranges, n_stages=args.stages,
+                               progress=not args.no_progress)
+    except (ShardError, FileNotFoundError) as e:
+        print(f"edgespec shard: error: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    for s in manifest.shards:
+        print(f"{s.range[0]:>4}:{s.range[1]:<4} {s.role:<6} {s.bytes / 2**20:9.1f} MiB  {out / s.file}")
+    print(f"manifest: {out / MANIFEST_NAME} (fingerprint {manifest.fingerprint})")
+    return 0
 
 
 def _add_shard(sub) -> None:
-    from edgespec.shard import add_shard_arguments
-
     p = _add(sub, "shard", "cut a GGUF model into layer windows (one file per stage)",
              "Writes one GGUF per layer window plus manifest.json (model fingerprint, ranges, "
              "sha256 of each shard). Middle windows carry a stub vocabulary and no output "
              "head; the first keeps the token embeddings, the last the real head. qwen2 and "
              "llama architectures are supported.", func=_shard)
-    add_shard_arguments(p)
+    p.add_argument("model", help="full GGUF model file")
+    group = p.add_mutually_exclusive_group(required=True)
+    group.add_argument("--stages", type=int, help="number of even layer windows")
+    group.add_argument("--ranges", help="explicit windows, e.g. 0:8,8:16,16:24")
+    p.add_argument("--out", required=True, help="output directory (shards + manifest.json)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     _set_help(p, "model", "registry name (e.g. qwen2.5-coder-0.5b) or path to a .gguf file")
     _set_help(p, "--no-progress", "no progress bar (there is none when stderr is not a "
               "terminal)")
@@ -233,6 +249,7 @@ def _add_node(sub) -> None:
 def _ring_up(args: argparse.Namespace) -> int:
     from edgespec.auth import ensure_key
     from edgespec.llm.models import resolve
+    from edgespec.llm.shards import parse_ranges
     from edgespec.ring import (
         discover,
         form_ring,
@@ -244,7 +261,6 @@ def _ring_up(args: argparse.Namespace) -> int:
         state_path,
         unload_nodes,
     )
-    from edgespec.shard import parse_ranges
 
     key = ensure_key(args.key_file)
     model = resolve(args.model)
@@ -687,9 +703,9 @@ def explain(exc: BaseException, args: argparse.Namespace) -> str | None:
     from edgespec.auth import AuthError, KeyFileError
     from edgespec.errors import RequestError
     from edgespec.errors import RingError as _RingError
+    from edgespec.llm.gguf_read import ShardError
     from edgespec.llm.models import ModelError
     from edgespec.ring import RingError as _RingStateError
-    from edgespec.shard import ShardError
     from edgespec.transport import TransportError
 
     cmd = args.command

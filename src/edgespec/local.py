@@ -132,8 +132,9 @@ def open_local_ring(cls, model: str | os.PathLike[str], stages: int, *, draft=No
                     encoding: str = "f32", threads: int = 1, proxy=None,
                     ranges=None, rounds: int = 1, draft_quant: str = "q4_0", **engine: Any):
     """Build a ``Ring`` (class ``cls``) over ``stages`` windows of ``model`` on this host."""
+    from edgespec.llm.gguf_read import read_info
     from edgespec.llm.llamacpp import Tokenizer, load_model, set_verbose
-    from edgespec.shard import even_ranges, read_info
+    from edgespec.llm.shards import even_ranges
 
     set_verbose(verbose)
     model_path = models.resolve(model)
@@ -181,15 +182,16 @@ def open_local_ring(cls, model: str | os.PathLike[str], stages: int, *, draft=No
                                    profile=False, proxy=proxy, log_fn=quiet, head=head)
         else:
             from edgespec.chain import LocalChain
-            from edgespec.shard import cut_window, fingerprint
+            from edgespec.llm.gguf_read import fingerprint
+            from edgespec.llm.shards import cut_window, shard_file_name
             from edgespec.stage import StageRuntime
 
             fp = fingerprint(model_path)
             shard_dir = models.home() / "shards"
             runtimes = []
             for a, b in (ranges or even_ranges(info.n_layer, stages)):
-                path = cut_window(model_path, (a, b), shard_dir / f"{model_path.stem}."
-                                  f"{fp[:12]}.L{a:03d}-{b:03d}.gguf")
+                path = cut_window(model_path, (a, b),
+                                  shard_dir / shard_file_name(a, b, fp, model_path.stem))
                 rt = StageRuntime(path, n_ctx=n_ctx, n_seq_max=256, n_threads=threads)
                 runtimes.append(rt)
                 cleanup.insert(0, rt.close)

@@ -480,7 +480,7 @@ class Node:
         return {"_blob": bytes(blob) if blob is not None else None}
 
     def _resolve_model(self, meta: dict) -> Path:
-        from edgespec.shard import fingerprint
+        from edgespec.llm.gguf_read import fingerprint
 
         path = Path(str(meta.get("model_path", "")))
         want_fp = meta.get("fingerprint")
@@ -507,7 +507,7 @@ class Node:
     def _op_load(self, conn: Connection, meta: dict, blob: Any) -> dict:
         """Load windows: {"model_path", "fingerprint", "windows": [[stage, a, b, is_last]],
         "n_ctx", "n_seq_max", "encoding"}."""
-        from edgespec.shard import cut_window
+        from edgespec.llm.shards import cut_window, shard_file_name
         from edgespec.stage import StageRuntime
 
         sent = {int(k): Path(v) for k, v in (meta.get("shard_paths") or {}).items()}
@@ -530,8 +530,7 @@ class Node:
                 assert model is not None
                 shard_dir = self.cache_dir / "shards"
                 path = cut_window(model, (int(a), int(b)),
-                                  shard_dir / f"{model.stem}.{fp[:12] or 'x'}"
-                                              f".L{int(a):03d}-{int(b):03d}.gguf")
+                                  shard_dir / shard_file_name(a, b, fp, model.stem))
             rt = StageRuntime(path, n_ctx=int(meta.get("n_ctx", 4096)),
                               n_seq_max=int(meta.get("n_seq_max", 256)),
                               n_threads=self.n_threads, n_gpu_layers=self.n_gpu_layers,

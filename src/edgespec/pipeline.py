@@ -24,7 +24,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from edgespec.shard import MANIFEST_NAME, Manifest, ShardError, shard_model
+from edgespec.llm.gguf_read import ShardError
+from edgespec.llm.shards import MANIFEST_NAME, Manifest, shard_model
 from edgespec.stage import (
     FingerprintMismatchError,
     InputError,

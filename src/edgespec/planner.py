@@ -129,9 +129,10 @@ def model_memory(path: str | Path) -> ModelMemory:
     """
     import re
 
-    from edgespec.shard import ARCHITECTURES, _open
+    from edgespec.llm.architectures import ARCHITECTURES
+    from edgespec.llm.gguf_read import open_gguf
 
-    with _open(path) as h:
+    with open_gguf(path) as h:
         arch, n_layer, n_embd, _n_vocab = h.dims()
         weights = [0] * n_layer
         embd = head = 0

@@ -18,16 +18,16 @@ def profile_layers(model: str | Path, *, cache_dir: str | Path, n_threads: int |
                    n_gpu_layers: int = 0, batch_sizes: Sequence[int] = (1, 4, 16),
                    layers: int = 2, reps: int = 3) -> dict:
     """Measure ms per layer for each batch size; also report free memory."""
+    from edgespec.llm.gguf_read import fingerprint, read_info
+    from edgespec.llm.shards import cut_window, shard_file_name
     from edgespec.nodeinfo import free_ram_bytes, free_vram_bytes
-    from edgespec.shard import cut_window, fingerprint, read_info
     from edgespec.stage import StageRuntime
 
     model = Path(model)
     info = read_info(model)
     k = max(1, min(layers, info.n_layer - 1))
     fp = fingerprint(model)
-    path = cut_window(model, (0, k), Path(cache_dir) / f"{model.stem}.{fp[:12]}.profile"
-                                                        f".L000-{k:03d}.gguf")
+    path = cut_window(model, (0, k), Path(cache_dir) / shard_file_name(0, k, fp, model.stem))
     out: dict[str, float] = {}
     rt = StageRuntime(path, n_ctx=max(64, 2 * max(batch_sizes)), n_seq_max=1,
                       n_threads=n_threads, n_gpu_layers=n_gpu_layers)

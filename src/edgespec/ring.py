@@ -338,8 +338,8 @@ def form_ring(addresses: Sequence[Address], model: str | os.PathLike[str], key: 
     ``head`` is this head's identity (``head_identity()``); a node held by another head is
     refused with RingBusy naming it, unless ``take_over``.
     """
+    from edgespec.llm.gguf_read import fingerprint, read_info
     from edgespec.nodeinfo import describe_holder
-    from edgespec.shard import fingerprint, read_info
 
     head = head or head_identity()
     hold = {"head": head, "take_over": bool(take_over)}
@@ -441,7 +441,7 @@ def _send_windows(m: _Member, model_path: Path, fp: str, wins: list) -> dict[str
     """Cut this node's windows here and send them (resumable, sha256-checked, cached by
     fingerprint on the node: a shard it already holds is not sent again)."""
     from edgespec.llm.models import home
-    from edgespec.shard import cut_window
+    from edgespec.llm.shards import cut_window, shard_file_name
     from edgespec.transfer import send_shard
 
     def request(op: str, blob: bytes | None = None, **body: Any) -> Message:
@@ -449,8 +449,8 @@ def _send_windows(m: _Member, model_path: Path, fp: str, wins: list) -> dict[str
 
     paths = {}
     for stage, a, b, _last in wins:
-        local = cut_window(model_path, (a, b), home() / "shards" /
-                           f"{model_path.stem}.{fp[:12]}.L{a:03d}-{b:03d}.gguf")
+        local = cut_window(model_path, (a, b),
+                           home() / "shards" / shard_file_name(a, b, fp, model_path.stem))
         remote, sent = send_shard(request, local, fp, a, b, name=m.name)
         log.info("shard %d:%d -> %s: %d bytes sent", a, b, m.name, sent)
         paths[str(stage)] = remote
@@ -813,7 +813,7 @@ def attach_chain(state: dict, key: bytes, *, head: dict | None = None,
         for m in members:
             m.close()
         raise
-    from edgespec.shard import read_info
+    from edgespec.llm.gguf_read import read_info
 
     chain = RemoteChain(members, plan, read_info(state["model"]).n_vocab,
                         state.get("encoding", "f32"))

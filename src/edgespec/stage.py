@@ -36,17 +36,9 @@ import llama_cpp
 import numpy as np
 
 from edgespec.llm import llamacpp
-from edgespec.shard import (
-    ARCHITECTURES,
-    MANIFEST_NAME,
-    CorruptShardError,
-    Manifest,
-    ShardError,
-    ShardInfo,
-    cut_window,
-    file_sha256,
-    read_info,
-)
+from edgespec.llm.architectures import ARCHITECTURES
+from edgespec.llm.gguf_read import CorruptShardError, ShardError, ShardInfo, file_sha256, read_info
+from edgespec.llm.shards import MANIFEST_NAME, Manifest, cut_window, shard_file_name
 
 __all__ = [
     "DecodeError",
@@ -276,7 +268,7 @@ class StageRuntime:
                 return model_path
             out = None
             if cache_dir is not None:
-                out = Path(cache_dir) / f"{model_path.stem}.{info.fingerprint[:8]}.L{a:03d}-{b:03d}.gguf"
+                out = Path(cache_dir) / shard_file_name(a, b, info.fingerprint, model_path.stem)
             return cut_window(model_path, (a, b), out)
         return Path(source)
 

@@ -19,6 +19,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from edgespec.llm.shards import shard_file_name
+
 # Progress bars take ``disable=None`` when wanted: tqdm then draws them on a terminal only, so
 # a log file or pipe never collects carriage-return updates.
 
@@ -56,7 +58,7 @@ class ShardStore:
     def path_for(self, fingerprint: str, start: int, stop: int) -> Path:
         if not fingerprint.isalnum():
             raise TransferError(f"bad fingerprint {fingerprint!r}")
-        return self.root / f"{fingerprint[:24]}.L{int(start):03d}-{int(stop):03d}.gguf"
+        return self.root / shard_file_name(start, stop, fingerprint)
 
     def _meta_path(self, final: Path) -> Path:
         return final.with_name(final.name + ".json")

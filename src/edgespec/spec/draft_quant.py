@@ -21,8 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from edgespec.llm import models
+from edgespec.llm.gguf_read import fingerprint, read_tensor_types
 from edgespec.llm.llamacpp import LlamaLoadError, quantize_model
-from edgespec.shard import fingerprint, read_tensor_types
 
 log = logging.getLogger(__name__)
 
