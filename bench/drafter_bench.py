@@ -141,9 +141,9 @@ def main() -> None:
     budgets = [int(b) for b in args.budgets.split(",")]
 
     sys.path.insert(0, str(REPO))
+    from edgespec.drafters import HybridDrafter, RetrievalDrafter
     from edgespec.llm import models
     from edgespec.llm.llamacpp import Tokenizer, load_model
-    from edgespec.spec import HybridDrafter, RetrievalDrafter
 
     model_path = models.ensure(args.model)
     source, text = load_text()
@@ -164,8 +164,8 @@ def main() -> None:
 
     variants = [v for v in args.draft_quant.split(",") if v] if not args.no_model else []
     if variants:
-        from edgespec.spec.draft_model import DraftModelDrafter
-        from edgespec.spec.draft_quant import fast_draft
+        from edgespec.drafters.model import DraftModelDrafter
+        from edgespec.drafters.quant import fast_draft
 
         out["draft_model_single_token_step_ms"] = {}
     for quant in variants:

@@ -12,8 +12,8 @@ import pytest
 from tinygguf import make_tiny_gguf, min_vocab
 
 from edgespec.api import Ring
-from edgespec.spec import DraftModelDrafter, TokenizerMismatchError
-from edgespec.spec.draft_model import check_draft_tokenizer
+from edgespec.drafters import DraftModelDrafter, TokenizerMismatchError
+from edgespec.drafters.tokenizer import check_draft_tokenizer
 
 PROMPT = [(i * 29 + 5) % 250 + 3 for i in range(20)]
 

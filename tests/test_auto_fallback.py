@@ -12,7 +12,7 @@ from tinygguf import make_tiny_gguf
 
 from edgespec.api import Ring
 from edgespec.chain import Sampling
-from edgespec.spec import Drafter, DraftTree
+from edgespec.drafters import Drafter, DraftTree
 from edgespec.spec.engine import SpecEngine
 
 

@@ -1,4 +1,4 @@
-"""The draft model's Q4_0 copy (edgespec.spec.draft_quant) and the CPU extra-buffer default."""
+"""The draft model's Q4_0 copy (edgespec.drafters.quant) and the CPU extra-buffer default."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from tinygguf import make_tiny_gguf
 
+from edgespec.drafters import DraftModelDrafter
+from edgespec.drafters.quant import fast_draft, mostly_fast
 from edgespec.llm.gguf_read import read_tensor_types
 from edgespec.llm.llamacpp import cpu_has_amx, extra_bufts_default
-from edgespec.spec import DraftModelDrafter
-from edgespec.spec.draft_quant import fast_draft, mostly_fast
 
 
 @pytest.fixture()
@@ -50,7 +50,7 @@ def test_fast_draft_makes_one_cached_q4_0_copy(home, tmp_path):
 
 
 def test_a_failed_copy_falls_back_to_the_file_as_given(home, tmp_path, monkeypatch):
-    import edgespec.spec.draft_quant as dq
+    import edgespec.drafters.quant as dq
 
     def refuse(src, dst, qtype):
         Path(dst).write_bytes(b"half a file")

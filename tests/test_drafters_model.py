@@ -14,13 +14,10 @@ import pytest
 from test_drafters_retrieval import assert_well_formed
 from tinygguf import make_tiny_gguf
 
+from edgespec.drafters import HybridDrafter, RetrievalDrafter
+from edgespec.drafters.model import DraftModelDrafter
+from edgespec.drafters.tokenizer import TokenizerMismatchError, tokenizer_fingerprint
 from edgespec.llm.llamacpp import Tokenizer, load_model, new_context
-from edgespec.spec import HybridDrafter, RetrievalDrafter
-from edgespec.spec.draft_model import (
-    DraftModelDrafter,
-    TokenizerMismatchError,
-    tokenizer_fingerprint,
-)
 
 
 class Reference:

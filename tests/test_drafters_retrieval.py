@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from edgespec.spec import DraftTree, RetrievalDrafter
-from edgespec.spec.hybrid import merge_trees
+from edgespec.drafters import DraftTree, RetrievalDrafter
+from edgespec.drafters.hybrid import merge_trees
 
 
 def assert_well_formed(tree: DraftTree, budget: int, max_depth: int) -> None:

@@ -13,8 +13,8 @@ import pytest
 from ring_fixtures import assert_same_greedy, unsplit_greedy
 
 from edgespec.api import Ring
-from edgespec.local import make_drafter
-from edgespec.spec import RetrievalDrafter
+from edgespec.drafters import RetrievalDrafter
+from edgespec.drafters.factory import make_drafter
 
 pytestmark = pytest.mark.real_model
 

@@ -11,7 +11,7 @@ from tinygguf import make_tiny_gguf
 
 from edgespec.api import Ring
 from edgespec.chain import Sampling
-from edgespec.spec import DraftModelDrafter, HybridDrafter, RetrievalDrafter
+from edgespec.drafters import DraftModelDrafter, HybridDrafter, RetrievalDrafter
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 from tinygguf import make_tiny_gguf
 
 from edgespec.api import Ring
-from edgespec.spec import DraftModelDrafter
+from edgespec.drafters import DraftModelDrafter
 
 
 @pytest.fixture(scope="module")

@@ -102,36 +102,13 @@ def _drain(p: subprocess.Popen) -> None:
             pass
 
 
-def make_drafter(model_path: Path, draft: str | os.PathLike[str] | None, kind: str = "auto",
-                 draft_quant: str = "q4_0"):
-    """The head's drafter: retrieval alone, the draft model, or hybrid retrieval + model.
-
-    ``kind="auto"``: the draft model when one is given (in flow mode it beat hybrid 2.08x to
-    1.01x over ``none``: 1.5B target, 4 stages, 10 ms hops, 4 HumanEval prompts; retrieval's
-    guesses take the hybrid's small per-segment budget first and are accepted less often),
-    else retrieval. ``draft_quant``: draft with a cached Q4_0 copy of the draft model
-    (``"none"``: as given); see :mod:`edgespec.spec.draft_quant` for why that never changes the
-    output."""
-    from edgespec.spec import RetrievalDrafter
-
-    if draft is None or kind == "retrieval":
-        return RetrievalDrafter()
-    from edgespec.spec import DraftModelDrafter, HybridDrafter
-    from edgespec.spec.draft_quant import fast_draft
-
-    draft_path = fast_draft(models.resolve(draft), draft_quant)
-    model_drafter = DraftModelDrafter(draft_path, target=model_path)
-    if kind in ("model", "auto"):
-        return model_drafter
-    return HybridDrafter(RetrievalDrafter(), model_drafter)
-
-
 def open_local_ring(cls, model: str | os.PathLike[str], stages: int, *, draft=None,
                     spec: str = "auto", n_ctx: int = 4096, processes: bool = True,
                     verbose: bool = False, drafter: str = "auto",
                     encoding: str = "f32", threads: int = 1, proxy=None,
                     ranges=None, rounds: int = 1, draft_quant: str = "q4_0", **engine: Any):
     """Build a ``Ring`` (class ``cls``) over ``stages`` windows of ``model`` on this host."""
+    from edgespec.drafters.factory import make_drafter
     from edgespec.llm.gguf_read import read_info
     from edgespec.llm.llamacpp import Tokenizer, load_model, set_verbose
     from edgespec.llm.shards import even_ranges
@@ -140,7 +117,7 @@ def open_local_ring(cls, model: str | os.PathLike[str], stages: int, *, draft=No
     model_path = models.resolve(model)
     if draft is not None and drafter != "retrieval":
         # A draft of another family is refused before any node process starts.
-        from edgespec.spec.draft_model import check_draft_tokenizer
+        from edgespec.drafters.tokenizer import check_draft_tokenizer
 
         check_draft_tokenizer(models.resolve(draft), model_path)
     info = read_info(model_path)

@@ -826,8 +826,8 @@ def attach_chain(state: dict, key: bytes, *, head: dict | None = None,
 def _head_for(cls, chain: RemoteChain, model: Path, *, spec: str = "auto", draft=None,
               drafter: str = "auto", n_ctx: int = 4096, on_close=None, recover=None,
               draft_quant: str = "q4_0", **engine: Any):
+    from edgespec.drafters.factory import make_drafter
     from edgespec.llm.llamacpp import Tokenizer, load_model
-    from edgespec.local import make_drafter
 
     tok_model = load_model(model, vocab_only=True)
 
@@ -895,7 +895,7 @@ def up(cls, model: str | os.PathLike[str], nodes: str = "auto", *, key: str | No
     key_bytes = ensure_key(key)
     model_path = resolve(model)
     if draft is not None:  # refuse a draft of another family before any node loads anything
-        from edgespec.spec.draft_model import check_draft_tokenizer
+        from edgespec.drafters.tokenizer import check_draft_tokenizer
 
         check_draft_tokenizer(resolve(draft), model_path)
     head = head_identity()

@@ -44,7 +44,7 @@ import numpy as np
 
 from edgespec import core
 from edgespec.chain import Batch, Chain, Sampling
-from edgespec.spec.drafters import Drafter, DraftTree
+from edgespec.drafters.base import Drafter, DraftTree
 from edgespec.spec.gain import GainMeter
 from edgespec.wire import KvOp, KvOpCode
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from edgespec.spec.drafters import Drafter, DraftTree, Path, check_request
+from edgespec.drafters.base import Drafter, DraftTree, Path, check_request
 
 
 def merge_trees(first: DraftTree, second: DraftTree) -> DraftTree:

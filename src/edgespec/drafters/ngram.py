@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator, Sequence
 
-from edgespec.spec.drafters import (
+from edgespec.drafters.base import (
     Drafter,
     DraftTree,
     Path,
