@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from edgespec import core
+from edgespec.tree import core
 
 VOCAB = 151_936  # Qwen2.5 vocabulary
 NODES = 256  # rows including the root

@@ -46,8 +46,8 @@ Plan plan_commit(TokenTree &t, const Decision &d) {
     const int32_t x = t.any_leaf_seq(n);
     if (x < 0) throw std::logic_error("accepted row has no leaf seq below it");
     const int32_t n_pos = t.root_pos() + t.depths()[n];
-    p.ops.push_back({OP_SEQ_CP, x, 0, t.root_pos(), n_pos + 1});
-    p.ops.push_back({OP_SEQ_KEEP, 0, -1, -1, -1});
+    p.ops.push_back({OP_SEQ_CP, x, t.root_pos(), n_pos + 1, 0});
+    p.ops.push_back({OP_SEQ_KEEP, 0, -1, -1, 0});
     p.remap.assign(static_cast<size_t>(t.n_rows()), -1);
     p.path = d.path;
     p.tokens = path_tokens(t, d.path);
@@ -83,7 +83,7 @@ Plan plan_prune(TokenTree &t, const Decision &d) {
         // subtree hangs under the whole path), so whole-seq removal never strands a live row.
         const int32_t s = t.seqs()[r];
         if (s >= 0) {
-            p.ops.push_back({OP_SEQ_RM, s, -1, -1, -1});
+            p.ops.push_back({OP_SEQ_RM, s, -1, -1, 0});
             t.free_seq(s);
         }
         t.drop(r);

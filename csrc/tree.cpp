@@ -270,7 +270,7 @@ OrderResult TokenTree::order() {
         int32_t s;
         if (a < 0) {
             s = alloc_seq();
-            res.ops.push_back({OP_SEQ_CP, 0, s, -1, -1});
+            res.ops.push_back({OP_SEQ_CP, 0, -1, -1, s});
         } else if (seq_[a] >= 0) {  // an earlier leaf hands its seq to its first new leaf
             s = seq_[a];
             seq_[a] = -1;
@@ -278,7 +278,7 @@ OrderResult TokenTree::order() {
             const int32_t src_row = lowest_leaf(a);
             if (src_row >= old_rows) throw std::logic_error("row without a live leaf below it");
             s = alloc_seq();
-            res.ops.push_back({OP_SEQ_CP, seq_before[src_row], s, -1, root_pos_ + depth_[a] + 1});
+            res.ops.push_back({OP_SEQ_CP, seq_before[src_row], -1, root_pos_ + depth_[a] + 1, s});
         }
         seq_[v] = s;
     }
@@ -391,9 +391,10 @@ py::tuple layout(const TokenTree &t, int32_t start, int32_t stop) {
 }  // namespace
 
 void bind_tree(py::module_ &m) {
-    m.attr("SEQ_CP") = static_cast<int>(OP_SEQ_CP);
-    m.attr("SEQ_RM") = static_cast<int>(OP_SEQ_RM);
-    m.attr("SEQ_KEEP") = static_cast<int>(OP_SEQ_KEEP);
+    // The KvOp codes the plans use (edgespec.tree.kvop.KvOpCode checks them at import).
+    m.attr("KV_RM") = static_cast<int>(OP_SEQ_RM);
+    m.attr("KV_CP") = static_cast<int>(OP_SEQ_CP);
+    m.attr("KV_KEEP") = static_cast<int>(OP_SEQ_KEEP);
     m.attr("MAX_SEQS") = TokenTree::kMaxSeqs;
 
     py::class_<TokenTree>(m, "TokenTree")

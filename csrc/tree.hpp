@@ -12,11 +12,13 @@
 
 namespace edgespec {
 
-// KV operation codes of a plan row (kind, a, b, p0, p1); they mirror llama_memory_seq_*.
+// KV operations, one row each: (code, seq, p0, p1, arg), the numbering and layout of the wire's
+// KV_OPS field and of edgespec.tree.kvop (docs/design.md 1, "KvOp"); p0/p1 = -1: open end.
 enum OpKind : int32_t {
-    OP_SEQ_CP = 0,    // llama_memory_seq_cp(mem, src=a, dst=b, p0, p1)
-    OP_SEQ_RM = 1,    // llama_memory_seq_rm(mem, seq=a, p0, p1)
-    OP_SEQ_KEEP = 2,  // llama_memory_seq_keep(mem, seq=a)
+    OP_SEQ_RM = 1,    // llama_memory_seq_rm(mem, seq, p0, p1); arg 0
+    OP_SEQ_CP = 2,    // llama_memory_seq_cp(mem, src=seq, dst=arg, p0, p1)
+    OP_SEQ_KEEP = 3,  // llama_memory_seq_keep(mem, seq); p0 = p1 = -1, arg 0
+    OP_SEQ_ADD = 4,   // llama_memory_seq_add(mem, seq, p0, p1, delta=arg) (never planned here)
 };
 using Op = std::array<int32_t, 5>;
 

@@ -2,7 +2,7 @@
 
 Written for clarity, not speed: tests run it side by side with ``edgespec._core`` and demand
 identical trees, layouts, seq ids, KV ops, decisions and plans. The rules it encodes are the
-contract documented in ``edgespec/core.py`` and ``csrc/verify.hpp``.
+contract documented in ``edgespec/tree/core.py`` and ``csrc/verify.hpp``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-SEQ_CP, SEQ_RM, SEQ_KEEP = 0, 1, 2
+# KV op rows (code, seq, p0, p1, arg), numbered as edgespec.tree.kvop.KvOpCode.
+KV_RM, KV_CP, KV_KEEP = 1, 2, 3
 ACCEPTED, PENDING = 0, 1
 MASK64 = (1 << 64) - 1
 LOGPROB_SLACK = 1e-5
@@ -218,13 +219,13 @@ class RefTree:
                 a = self.parent[a]
             if a < 0:
                 s = self._alloc()
-                ops.append([SEQ_CP, 0, s, -1, -1])
+                ops.append([KV_CP, 0, -1, -1, s])
             elif self.seq[a] >= 0:
                 s, self.seq[a] = self.seq[a], -1
             else:
                 src = min(r for r in self._subtree(a) if r < old and seq_before[r] >= 0)
                 s = self._alloc()
-                ops.append([SEQ_CP, seq_before[src], s, -1, self.root_pos + self.depth[a] + 1])
+                ops.append([KV_CP, seq_before[src], -1, self.root_pos + self.depth[a] + 1, s])
             self.seq[v] = s
         self.n_rows, self.last_start = n, old
         return remap, old, n, ops
@@ -372,7 +373,7 @@ def plan_commit(tree: RefTree, d: RefDecision) -> dict:
     x = tree.any_leaf_seq(n)
     n_pos = tree.root_pos + tree.depth[n]
     plan = {
-        "ops": [[SEQ_CP, x, 0, tree.root_pos, n_pos + 1], [SEQ_KEEP, 0, -1, -1, -1]],
+        "ops": [[KV_CP, x, tree.root_pos, n_pos + 1, 0], [KV_KEEP, 0, -1, -1, 0]],
         "survivors": [],
         "remap": [-1] * tree.n_rows,
         "path": list(d.path),
@@ -396,7 +397,7 @@ def plan_prune(tree: RefTree, d: RefDecision) -> dict:
             survivors.append(r)
             continue
         if tree.seq[r] >= 0:
-            ops.append([SEQ_RM, tree.seq[r], -1, -1, -1])
+            ops.append([KV_RM, tree.seq[r], -1, -1, 0])
             tree.used.discard(tree.seq[r])
         tree.alive[r], tree.seq[r] = False, -1
     return {

@@ -14,7 +14,7 @@ import ref_core as ref
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from edgespec import core
+from edgespec.tree import core
 
 LOGPROBS = [0.0, -0.25, -0.5, -1.0, -2.0, -math.inf]
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from edgespec import core
+from edgespec.tree import core
 
 VOCAB = 8
 TRIALS = 100_000

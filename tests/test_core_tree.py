@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edgespec import core
+from edgespec.tree import core
+from edgespec.tree.kvop import KvOpCode
 
 
 class KVSim:
@@ -18,14 +19,14 @@ class KVSim:
         ]
 
     def apply(self, ops: np.ndarray) -> None:
-        for kind, a, b, p0, p1 in np.asarray(ops).reshape(-1, 5).tolist():
+        for code, a, p0, p1, b in np.asarray(ops).reshape(-1, 5).tolist():
             lo, hi = (p0 if p0 >= 0 else -(2**31)), (p1 if p1 >= 0 else 2**31)
             for pos, seqs, _ in self.cells:
-                if kind == core.SEQ_CP and a in seqs and lo <= pos < hi:
+                if code == KvOpCode.CP and a in seqs and lo <= pos < hi:
                     seqs.add(b)
-                elif kind == core.SEQ_RM and a in seqs and lo <= pos < hi:
+                elif code == KvOpCode.RM and a in seqs and lo <= pos < hi:
                     seqs.discard(a)
-                elif kind == core.SEQ_KEEP:
+                elif code == KvOpCode.KEEP:
                     seqs.intersection_update({a})
             self.cells = [c for c in self.cells if c[1]]
 
@@ -162,14 +163,14 @@ def test_leaf_pool_bound_and_reuse_after_prune():
     plan = t.prune(d)
     assert t.n_free_seqs == 254 and plan.survivors.tolist() == [0, 200]
     assert plan.remap[200] == 1 and (plan.remap[1:200] == -1).all()
-    assert len(plan.ops) == 254 and (plan.ops[:, 0] == core.SEQ_RM).all()
+    assert len(plan.ops) == 254 and (plan.ops[:, 0] == KvOpCode.RM).all()
     t.add_children(200, [5, 6], [-0.1, -0.2])
     ox = t.order()
     # The first new leaf inherits row 200's seq; the second gets the lowest free seq and a copy
     # of root..row 200 (positions < 10 + 1 + 1).
     free = sorted(set(range(1, 256)) - set(t.seqs().tolist()) | {int(t.seqs()[257])})
     assert int(t.seqs()[256]) == s200 and int(t.seqs()[257]) == free[0]
-    assert ox.ops.tolist() == [[core.SEQ_CP, s200, free[0], -1, 12]]
+    assert ox.ops.tolist() == [[KvOpCode.CP, s200, -1, 12, free[0]]]
 
 
 @pytest.mark.parametrize(

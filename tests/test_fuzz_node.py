@@ -18,7 +18,8 @@ from edgespec.llm.llamacpp import Tokenizer, load_model
 from edgespec.local import LocalNodes
 from edgespec.ring import form_ring
 from edgespec.transport import TransportError, connect
-from edgespec.wire import FieldTag, Kind, KvOp, Message, control_message, encode_frame
+from edgespec.tree.kvop import KvOp
+from edgespec.wire import FieldTag, Kind, Message, control_message, encode_frame
 
 FRAMES_PER_HANDLER = 10_000
 

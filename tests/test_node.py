@@ -34,7 +34,8 @@ from edgespec.llm.gguf_read import fingerprint
 from edgespec.planner import NodeProfile, PlanError, plan_ring
 from edgespec.ring import RingError, _head_for, form_ring, pick_address
 from edgespec.transport import RemoteError, TransportError, connect
-from edgespec.wire import FieldTag, Kind, KvOp, KvOpCode, Message, control_message, encode_frame
+from edgespec.tree.kvop import KvOp, KvOpCode
+from edgespec.wire import FieldTag, Kind, Message, control_message, encode_frame
 
 REPO = Path(__file__).resolve().parents[1]
 N_TOKENS = 24

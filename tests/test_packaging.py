@@ -89,7 +89,7 @@ def test_a_source_tree_without_the_core_says_what_to_do(clone, tmp_path):
     shutil.copytree(REPO / "src" / "edgespec", tmp_path / "edgespec",
                     ignore=shutil.ignore_patterns("_core*", "__pycache__"))
     proc = subprocess.run([str(venv / "bin" / "python"), "-I", "-c",
-                           "import sys; sys.path.insert(0, '.'); import edgespec.core"],
+                           "import sys; sys.path.insert(0, '.'); import edgespec.tree.core"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=60, env=_env())
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]

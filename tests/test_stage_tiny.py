@@ -29,6 +29,7 @@ from edgespec.stage import (
     StageHost,
     StageRuntime,
 )
+from edgespec.tree.kvop import KvOp, KvOpCode
 
 KW = dict(n_ctx=512, n_batch=64, n_threads=1, n_seq_max=8)
 PROMPTS = ["def add(a, b):", "The quick brown fox", "import numpy as np\n"]
@@ -162,17 +163,17 @@ def test_kv_cache_full_rolls_back(tiny_qwen2: Path) -> None:  # noqa: F811
 def test_apply_plan_and_keep_seqs(tiny_qwen2: Path) -> None:  # noqa: F811
     with StageRuntime(tiny_qwen2, **KW) as rt:
         rt.forward(np.arange(5, 15, dtype=np.int32), 0)
-        rt.apply_plan([("cp", 0, 1, -1, -1), ("cp", 0, 2, -1, -1), ("rm", 2, 0, 6, -1)])
+        rt.apply_plan([KvOp(KvOpCode.CP, 0, -1, -1, 1), KvOp(KvOpCode.CP, 0, -1, -1, 2), KvOp(KvOpCode.RM, 2, 6, -1)])
         assert (rt.n_past(0), rt.n_past(1), rt.n_past(2)) == (10, 10, 6)
         rt.keep_seqs([0, 2])
         assert (rt.n_past(1), rt.n_past(2)) == (0, 6)
-        rt.apply_plan([("keep", 0, 0, 0, 0)])
+        rt.apply_plan([KvOp(KvOpCode.KEEP, 0)])
         assert (rt.n_past(0), rt.n_past(2)) == (10, 0)
         with pytest.raises(InputError, match="unknown KV op"):
-            rt.apply_plan([("cp", 0, 1, -1, -1), ("mv", 0, 1, 0, 0)])
+            rt.apply_plan([KvOp(KvOpCode.CP, 0, -1, -1, 1), (9, 0, 0, 0, 1)])
         assert rt.n_past(1) == 0  # validated before anything ran
         with pytest.raises(InputError, match="seq id 8 outside"):
-            rt.apply_plan([("cp", 0, 8, -1, -1)])
+            rt.apply_plan([KvOp(KvOpCode.CP, 0, -1, -1, 8)])
 
 
 def test_fingerprint_mismatch_and_corrupt_shards(tiny_qwen2: Path, tiny_dir: Path, tmp_path: Path) -> None:  # noqa: F811

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from edgespec import wire
+from edgespec.tree.kvop import KvOp, KvOpCode
 from edgespec.wire import (
     HEADER_SIZE,
     Encoding,
@@ -15,8 +16,6 @@ from edgespec.wire import (
     Flag,
     FrameHeader,
     Kind,
-    KvOp,
-    KvOpCode,
     Message,
     WireError,
     decode_header,

@@ -34,7 +34,7 @@ from typing import Protocol
 import numpy as np
 
 from edgespec.errors import StageFailure
-from edgespec.wire import KvOp, KvOpCode
+from edgespec.tree.kvop import KvOp, KvOpCode
 
 
 @dataclass(frozen=True)
@@ -130,7 +130,7 @@ def pick_targets(logits: np.ndarray, pos: np.ndarray, sampling: Sampling) -> np.
     sampled generation is the same whatever tree or mode produced it, and each accepted token is
     an exact draw from the target's conditional (SpecExec / FlowSpec verification).
     """
-    from edgespec import core
+    from edgespec.tree import core
 
     if sampling.greedy:
         return core.argmax_rows(np.ascontiguousarray(logits, dtype=np.float32))

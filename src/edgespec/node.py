@@ -48,6 +48,7 @@ from edgespec.chain import StageWorker
 from edgespec.frames import batch_message, message_batch, result_message
 from edgespec.nodeinfo import describe_holder
 from edgespec.transport import Connection, Frame, FrameServer, TransportError, connect
+from edgespec.tree.kvop import KvOp
 from edgespec.wire import (
     PROTOCOL_VERSION,
     FieldTag,
@@ -591,7 +592,7 @@ class Node:
 
     def _op_reset(self, conn: Connection, meta: dict, blob: Any) -> dict:
         for slot in self.slots.values():
-            slot.inbox.put(("kv", kv_ops_list([(1, 0, -1, -1, 0), (3, 0, -1, -1, 0)]), 0))
+            slot.inbox.put(("kv", KvOp.clear(), 0))
         return {}
 
     def _op_shard_status(self, conn: Connection, meta: dict, blob: Any) -> dict:

@@ -11,7 +11,6 @@ import os
 import secrets
 import shutil
 import subprocess
-import sys
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -63,18 +62,9 @@ def detect_backend() -> str:
     ``llama_supports_gpu_offload`` says whether the linked llama.cpp can offload at all; the
     backend libraries shipped next to it say which kind.
     """
-    import llama_cpp
+    from edgespec.llm.capi import gpu_backend
 
-    if not llama_cpp.llama_supports_gpu_offload():
-        return "cpu"
-    if sys.platform == "darwin":
-        return "metal"
-    libdir = Path(llama_cpp.__file__).parent / "lib"
-    names = " ".join(p.name for p in libdir.glob("*")) if libdir.is_dir() else ""
-    for marker, backend in (("cuda", "cuda"), ("hip", "rocm"), ("vulkan", "vulkan"), ("metal", "metal")):
-        if f"ggml-{marker}" in names:
-            return backend
-    return "gpu"
+    return gpu_backend()
 
 
 def load_or_create_node_id(state_dir: str | os.PathLike[str]) -> str:

@@ -35,6 +35,7 @@ from edgespec.stage import (
     StageRuntime,
     normalize_seq_ids,
 )
+from edgespec.tree.kvop import KvOp
 
 __all__ = ["LocalPipeline", "RemoteWindow", "StageProcess", "Window"]
 
@@ -61,7 +62,7 @@ class Window(Protocol):
     def keep_seqs(self, seqs: Iterable[int]) -> None: ...
     def commit_path(self, seq: int, p0: int = -1, p1: int = -1, main: int = 0) -> None: ...
     def truncate(self, pos: int, seq: int = -1) -> None: ...
-    def apply_plan(self, ops: Iterable[tuple[str, int, int, int, int]]) -> None: ...
+    def apply_plan(self, ops: Iterable[KvOp]) -> None: ...
     def reset(self) -> None: ...
     def close(self) -> None: ...
 
@@ -289,7 +290,7 @@ class LocalPipeline:
         for w in self.windows:
             w.truncate(pos, seq)
 
-    def apply_plan(self, ops: Iterable[tuple[str, int, int, int, int]]) -> None:
+    def apply_plan(self, ops: Iterable[KvOp]) -> None:
         plan = list(ops)
         for w in self.windows:
             w.apply_plan(plan)
@@ -496,7 +497,7 @@ class RemoteWindow:
     def truncate(self, pos: int, seq: int = -1) -> None:
         self._call("truncate", pos, seq)
 
-    def apply_plan(self, ops: Iterable[tuple[str, int, int, int, int]]) -> None:
+    def apply_plan(self, ops: Iterable[KvOp]) -> None:
         self._call("apply_plan", list(ops))
 
     def reset(self) -> None:

@@ -39,7 +39,8 @@ from edgespec.errors import NodeLost, RingBusy, RingError, StageFailure
 from edgespec.frames import batch_message, message_result
 from edgespec.planner import NodeProfile, Plan, PlanError, model_memory, plan_ring
 from edgespec.transport import Connection, TransportError, connect
-from edgespec.wire import FieldTag, Kind, KvOp, Message, control_message
+from edgespec.tree.kvop import KvOp
+from edgespec.wire import FieldTag, Kind, Message, control_message
 
 log = logging.getLogger("edgespec.ring")
 
@@ -501,7 +502,7 @@ def health_lap(chain: RemoteChain) -> float:
     res = chain.next_result(timeout=HEALTH_LAP_TIMEOUT_S)
     if len(res.targets) != 1:
         raise RingError("health lap returned no token")
-    chain.kv([KvOp(1, 0, -1, -1)])
+    chain.kv(KvOp.clear())
     return (time.perf_counter() - t) * 1e3
 
 
@@ -817,7 +818,7 @@ def attach_chain(state: dict, key: bytes, *, head: dict | None = None,
 
     chain = RemoteChain(members, plan, read_info(state["model"]).n_vocab,
                         state.get("encoding", "f32"))
-    chain.kv([KvOp(1, 0, -1, -1), KvOp(3, 0)])
+    chain.kv(KvOp.clear())
     return chain
 
 

@@ -25,20 +25,19 @@ serialised), but one call at a time is what it is built for.
 
 from __future__ import annotations
 
-import ctypes
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
-import llama_cpp
 import numpy as np
 
-from edgespec.llm import llamacpp
+from edgespec.llm import capi, llamacpp
 from edgespec.llm.architectures import ARCHITECTURES
 from edgespec.llm.gguf_read import CorruptShardError, ShardError, ShardInfo, file_sha256, read_info
 from edgespec.llm.shards import MANIFEST_NAME, Manifest, cut_window, shard_file_name
+from edgespec.tree.kvop import KvOp, KvOpCode
 
 __all__ = [
     "DecodeError",
@@ -306,22 +305,9 @@ class StageRuntime:
         self._b_nseq = np.zeros(cap, np.int32)
         self._b_seq = np.zeros((cap, k), np.int32)
         self._b_out = np.zeros(cap, np.int8)
-        i32p = ctypes.POINTER(ctypes.c_int32)
-        base = self._b_seq.ctypes.data
-        self._b_seq_ptrs = (i32p * cap)(*[ctypes.cast(base + i * k * 4, i32p) for i in range(cap)])
-        b = llama_cpp.llama_batch()
-        b.n_tokens = 0
-        if self.is_first:
-            b.token = self._b_tok.ctypes.data_as(i32p)
-            b.embd = ctypes.POINTER(ctypes.c_float)()
-        else:
-            b.token = i32p()
-            b.embd = self._b_embd.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
-        b.pos = self._b_pos.ctypes.data_as(i32p)
-        b.n_seq_id = self._b_nseq.ctypes.data_as(i32p)
-        b.seq_id = ctypes.cast(self._b_seq_ptrs, ctypes.POINTER(i32p))
-        b.logits = self._b_out.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
-        self._batch = b
+        self._batch, self._b_seq_ptrs = capi.batch_over(
+            self._b_tok if self.is_first else None, self._b_embd, self._b_pos, self._b_nseq,
+            self._b_seq, self._b_out)
 
     # ---------------------------------------------------------------------------------------
     # state
@@ -339,14 +325,14 @@ class StageRuntime:
         with self._lock:
             self._require_open()
             self._check_seq(seq)
-            return int(llama_cpp.llama_memory_seq_pos_max(self._mem, seq)) + 1
+            return int(capi.llama_memory_seq_pos_max(self._mem, seq)) + 1
 
     def seq_pos_min(self, seq: int) -> int:
         """Lowest stored position of ``seq`` (-1 when empty)."""
         with self._lock:
             self._require_open()
             self._check_seq(seq)
-            return int(llama_cpp.llama_memory_seq_pos_min(self._mem, seq))
+            return int(capi.llama_memory_seq_pos_min(self._mem, seq))
 
     def _check_seq(self, seq: int, allow_all: bool = False) -> None:
         if allow_all and seq == -1:
@@ -445,7 +431,7 @@ class StageRuntime:
         seqs = np.unique(mat[used])
         for s in seqs.tolist():
             rows = np.nonzero(((mat == s) & used).any(axis=1))[0]
-            start = int(llama_cpp.llama_memory_seq_pos_max(self._mem, s)) + 1
+            start = int(capi.llama_memory_seq_pos_max(self._mem, s)) + 1
             expect = np.arange(start, start + rows.size, dtype=np.int32)
             got = p[rows]
             if not np.array_equal(got, expect):
@@ -467,7 +453,7 @@ class StageRuntime:
                 if group in checked:
                     continue
                 checked.add(group)
-                mins = {s: int(llama_cpp.llama_memory_seq_pos_min(self._mem, s)) for s in group}
+                mins = {s: int(capi.llama_memory_seq_pos_min(self._mem, s)) for s in group}
                 if len(set(mins.values())) > 1:
                     raise PositionError(
                         f"row {i} is shared by seqs {list(group)} whose KV histories differ "
@@ -509,13 +495,13 @@ class StageRuntime:
 
     def _seq_starts(self, batch: _Batch) -> dict[int, int]:
         used = np.arange(batch.seq_mat.shape[1])[None, :] < batch.seq_counts[:, None]
-        return {s: int(llama_cpp.llama_memory_seq_pos_max(self._mem, s)) + 1
+        return {s: int(capi.llama_memory_seq_pos_max(self._mem, s)) + 1
                 for s in np.unique(batch.seq_mat[used]).tolist()}
 
     def _rollback(self, starts: dict[int, int]) -> None:
         # Drop whatever this call added, so the KV cache is as before the failed call.
         for s, p0 in starts.items():
-            llama_cpp.llama_memory_seq_rm(self._mem, s, p0, -1)
+            capi.llama_memory_seq_rm(self._mem, s, p0, -1)
 
     def _fill(self, batch: _Batch, i0: int, i1: int, want_sorted: np.ndarray) -> None:
         m = i1 - i0
@@ -543,7 +529,7 @@ class StageRuntime:
             if self._capture.restore_name:
                 assert self._b_embd is not None
                 self._capture.set_input(self._b_embd.ctypes.data, m)
-        rc = llama_cpp.llama_decode(self._ctx.ptr, self._batch)  # type: ignore[union-attr]
+        rc = capi.llama_decode(self._ctx.ptr, self._batch)  # type: ignore[union-attr]
         if rc == 1:
             raise KVCacheFullError(
                 f"stage {self.layer_range}: no room in the KV cache (n_ctx={self.n_ctx}) for {m} rows; "
@@ -563,7 +549,7 @@ class StageRuntime:
                     f"{self._capture.tensor_name}, expected {m}")
             return self._capture.view()
         n_out = int(self._b_out[:m].sum())
-        ptr = llama_cpp.llama_get_logits(self._ctx.ptr)  # type: ignore[union-attr]
+        ptr = capi.llama_get_logits(self._ctx.ptr)  # type: ignore[union-attr]
         return np.ctypeslib.as_array(ptr, shape=(n_out, self.n_vocab))
 
     # ---------------------------------------------------------------------------------------
@@ -574,7 +560,7 @@ class StageRuntime:
         with self._lock:
             self._require_open()
             self._check_seq(seq, allow_all=True)
-            if not llama_cpp.llama_memory_seq_rm(self._mem, int(seq), int(p0), int(p1)):
+            if not capi.llama_memory_seq_rm(self._mem, int(seq), int(p0), int(p1)):
                 raise StageError(f"llama.cpp refused to remove seq {seq} positions [{p0}, {p1})")
 
     def kv_seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
@@ -583,14 +569,14 @@ class StageRuntime:
             self._require_open()
             self._check_seq(src)
             self._check_seq(dst)
-            llama_cpp.llama_memory_seq_cp(self._mem, int(src), int(dst), int(p0), int(p1))
+            capi.llama_memory_seq_cp(self._mem, int(src), int(dst), int(p0), int(p1))
 
     def kv_seq_keep(self, seq: int) -> None:
         """Drop every sequence except ``seq``."""
         with self._lock:
             self._require_open()
             self._check_seq(seq)
-            llama_cpp.llama_memory_seq_keep(self._mem, int(seq))
+            capi.llama_memory_seq_keep(self._mem, int(seq))
 
     def keep_seqs(self, seqs: Iterable[int]) -> None:
         """Drop every sequence not in ``seqs`` (keep a subtree's leaves plus the main seq)."""
@@ -601,7 +587,7 @@ class StageRuntime:
                 self._check_seq(s)
             for s in range(self.n_seq_max):
                 if s not in keep:
-                    llama_cpp.llama_memory_seq_rm(self._mem, s, -1, -1)
+                    capi.llama_memory_seq_rm(self._mem, s, -1, -1)
 
     def commit_path(self, seq: int, p0: int = -1, p1: int = -1, main: int = 0) -> None:
         """Accept the path stored in ``seq`` over positions ``[p0, p1)`` into ``main`` and drop
@@ -611,10 +597,10 @@ class StageRuntime:
             self._check_seq(seq)
             self._check_seq(main)
             if seq != main:
-                llama_cpp.llama_memory_seq_cp(self._mem, int(seq), int(main), int(p0), int(p1))
-            llama_cpp.llama_memory_seq_keep(self._mem, int(main))
+                capi.llama_memory_seq_cp(self._mem, int(seq), int(main), int(p0), int(p1))
+            capi.llama_memory_seq_keep(self._mem, int(main))
             if p1 >= 0:
-                llama_cpp.llama_memory_seq_rm(self._mem, int(main), int(p1), -1)
+                capi.llama_memory_seq_rm(self._mem, int(main), int(p1), -1)
 
     def truncate(self, pos: int, seq: int = -1) -> None:
         """Forget every position >= ``pos`` (of ``seq``, or of all sequences)."""
@@ -622,44 +608,49 @@ class StageRuntime:
             raise InputError(f"truncate position must be >= 0, got {pos}")
         self.kv_seq_rm(seq, pos, -1)
 
-    def apply_plan(self, ops: Iterable[tuple[str, int, int, int, int]]) -> None:
-        """Apply KV operations ``(op, a, b, p0, p1)``, validated first, then in order:
+    def apply_plan(self, ops: Iterable[KvOp]) -> None:
+        """Apply KV operations (:class:`~edgespec.tree.kvop.KvOp` rows ``(code, seq, p0, p1,
+        arg)``), validated first, then in order:
 
-        * ``("cp", src, dst, p0, p1)``: :meth:`kv_seq_cp`
-        * ``("rm", seq, _, p0, p1)``: :meth:`kv_seq_rm` (seq -1 = all)
-        * ``("keep", seq, _, _, _)``: :meth:`kv_seq_keep`
+        * ``CP(seq -> arg, p0, p1)``: :meth:`kv_seq_cp`
+        * ``RM(seq, p0, p1)``: :meth:`kv_seq_rm` (seq -1 = all)
+        * ``KEEP(seq)``: :meth:`kv_seq_keep`
         """
         plan = []
         for op in ops:
             if len(op) != 5:
-                raise InputError(f"KV op must be (op, a, b, p0, p1), got {op!r}")
-            name, a, b, p0, p1 = op[0], int(op[1]), int(op[2]), int(op[3]), int(op[4])
-            if name == "cp":
-                self._check_seq(a)
-                self._check_seq(b)
-            elif name == "rm":
-                self._check_seq(a, allow_all=True)
-            elif name == "keep":
-                self._check_seq(a)
+                raise InputError(f"KV op must be (code, seq, p0, p1, arg), got {op!r}")
+            try:
+                code = KvOpCode(int(op[0]))
+            except ValueError:
+                raise InputError(f"unknown KV op {op[0]!r} (expected RM, CP or KEEP)") from None
+            seq, p0, p1, arg = int(op[1]), int(op[2]), int(op[3]), int(op[4])
+            if code == KvOpCode.CP:
+                self._check_seq(seq)
+                self._check_seq(arg)
+            elif code == KvOpCode.RM:
+                self._check_seq(seq, allow_all=True)
+            elif code == KvOpCode.KEEP:
+                self._check_seq(seq)
             else:
-                raise InputError(f"unknown KV op {name!r} (expected cp, rm or keep)")
-            plan.append((name, a, b, p0, p1))
+                raise InputError(f"unknown KV op {code.name} for a stage (expected RM, CP or KEEP)")
+            plan.append((code, seq, p0, p1, arg))
         with self._lock:
             self._require_open()
-            for name, a, b, p0, p1 in plan:
-                if name == "cp":
-                    llama_cpp.llama_memory_seq_cp(self._mem, a, b, p0, p1)
-                elif name == "rm":
-                    if not llama_cpp.llama_memory_seq_rm(self._mem, a, p0, p1):
-                        raise StageError(f"llama.cpp refused to remove seq {a} positions [{p0}, {p1})")
+            for code, seq, p0, p1, arg in plan:
+                if code == KvOpCode.CP:
+                    capi.llama_memory_seq_cp(self._mem, seq, arg, p0, p1)
+                elif code == KvOpCode.RM:
+                    if not capi.llama_memory_seq_rm(self._mem, seq, p0, p1):
+                        raise StageError(f"llama.cpp refused to remove seq {seq} positions [{p0}, {p1})")
                 else:
-                    llama_cpp.llama_memory_seq_keep(self._mem, a)
+                    capi.llama_memory_seq_keep(self._mem, seq)
 
     def reset(self) -> None:
         """Empty the KV cache (all sequences)."""
         with self._lock:
             self._require_open()
-            llama_cpp.llama_memory_clear(self._mem, True)
+            capi.llama_memory_clear(self._mem, True)
 
     # ---------------------------------------------------------------------------------------
     # neighbours and lifetime

@@ -52,6 +52,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from edgespec.tree.kvop import KvOp, KvOpCode
+
 #: 2: sealed frames (AEAD instead of a MAC), node ids exchanged only after the key proofs.
 PROTOCOL_VERSION = 2
 MAGIC = b"eS"
@@ -137,26 +139,6 @@ class Encoding(IntEnum):
 
 
 HIDDEN_ENCODINGS = {"f32": Encoding.F32, "f16": Encoding.F16, "q8": Encoding.Q8}
-
-
-class KvOpCode(IntEnum):
-    """KV cache operations, mirroring llama.cpp's llama_memory_seq_* calls."""
-
-    RM = 1  # seq_rm(seq, p0, p1)
-    CP = 2  # seq_cp(seq -> arg, p0, p1)
-    KEEP = 3  # seq_keep(seq)
-    ADD = 4  # seq_add(seq, p0, p1, delta=arg)
-
-
-class KvOp(NamedTuple):
-    """One KV cache operation. ``arg`` is the destination seq for CP and the delta for ADD;
-    p0/p1 = -1 mean "from the start" / "to the end" as in llama.cpp."""
-
-    code: KvOpCode
-    seq: int
-    p0: int = -1
-    p1: int = -1
-    arg: int = 0
 
 
 class FrameHeader(NamedTuple):

@@ -29,12 +29,6 @@ from pathlib import Path as FsPath
 
 import numpy as np
 
-# isort: off
-# edgespec.llm.llamacpp must be imported before llama_cpp: it sets OMP_WAIT_POLICY first (docs/design.md 3.7).
-from edgespec.llm.llamacpp import Context, Model, load_model, new_context
-import llama_cpp
-
-# isort: on
 from edgespec.drafters.base import Drafter, DraftTree, Path, check_request, select_new
 from edgespec.drafters.tokenizer import (
     TokenizerFingerprint,
@@ -42,6 +36,8 @@ from edgespec.drafters.tokenizer import (
     check_draft_tokenizer,
     fingerprint_of,
 )
+from edgespec.llm import capi
+from edgespec.llm.llamacpp import Context, Model, load_model, new_context
 
 __all__ = ["DraftModelDrafter"]
 
@@ -113,7 +109,7 @@ class DraftModelDrafter(Drafter):
         self.top_k, self.width = top_k, width
         self._model: Model | None = None
         self._ctx: Context | None = None
-        self._batch: llama_cpp.llama_batch | None = None
+        self._batch: capi.llama_batch | None = None
         self._model = load_model(self.model_path)  # extra buffers unless AMX (docs/design.md 3.6)
         try:
             self.fingerprint = fingerprint_of(self._model)
@@ -141,7 +137,7 @@ class DraftModelDrafter(Drafter):
                 n_threads=n_threads,
             )
             self._mem = self._ctx.memory
-            self._batch = llama_cpp.llama_batch_init(self._n_batch, 0, 1)
+            self._batch = capi.llama_batch_init(self._n_batch, 0, 1)
         except BaseException:
             self.close()
             raise
@@ -159,7 +155,7 @@ class DraftModelDrafter(Drafter):
     def close(self) -> None:
         """Free the llama.cpp context, batch and model (idempotent)."""
         if self._batch is not None:
-            llama_cpp.llama_batch_free(self._batch)
+            capi.llama_batch_free(self._batch)
             self._batch = None
         if self._ctx is not None:
             self._ctx.close()
@@ -197,7 +193,7 @@ class DraftModelDrafter(Drafter):
         keep, limit = 0, min(self._n_kv, len(toks) - 1)
         while keep < limit and self._history[keep] == toks[keep]:
             keep += 1
-        llama_cpp.llama_memory_seq_rm(self._mem, 0, keep, -1)
+        capi.llama_memory_seq_rm(self._mem, 0, keep, -1)
         self._history = toks
         self._n_kv = keep
         self._root_children = None
@@ -237,7 +233,7 @@ class DraftModelDrafter(Drafter):
                 deepest = nxt
             if deepest is not self._root:
                 root_pos = self._root.pos
-                llama_cpp.llama_memory_seq_cp(self._mem, deepest.seq, 0, root_pos + 1, deepest.pos + 1)
+                capi.llama_memory_seq_cp(self._mem, deepest.seq, 0, root_pos + 1, deepest.pos + 1)
                 self._n_kv += len(deepest.path)
         if toks:
             # Every accepted token already decoded: the deepest node's children are the new
@@ -256,7 +252,7 @@ class DraftModelDrafter(Drafter):
 
     def seq_pos_max(self, seq: int) -> int:
         """Highest position stored for ``seq`` (-1 if none): lets tests check the KV layout."""
-        return int(llama_cpp.llama_memory_seq_pos_max(self._mem, seq))
+        return int(capi.llama_memory_seq_pos_max(self._mem, seq))
 
     # -- rounds -------------------------------------------------------------------------------
 
@@ -270,7 +266,7 @@ class DraftModelDrafter(Drafter):
 
     def _end_round(self) -> None:
         if self._free_seqs != list(range(self._max_tree_seqs, 0, -1)):
-            llama_cpp.llama_memory_seq_keep(self._mem, 0)
+            capi.llama_memory_seq_keep(self._mem, 0)
         self._free_seqs = list(range(self._max_tree_seqs, 0, -1))
         self._root = None
         self._ledger.clear()
@@ -360,7 +356,7 @@ class DraftModelDrafter(Drafter):
             elif self._free_seqs:
                 seq = self._free_seqs.pop()
                 # Borrow the parent's path (positions <= parent) without copying KV data.
-                llama_cpp.llama_memory_seq_cp(self._mem, parent.seq, seq, -1, parent.pos + 1)
+                capi.llama_memory_seq_cp(self._mem, parent.seq, seq, -1, parent.pos + 1)
             else:
                 node.children = []  # out of tree sequences: leave this node unexpanded
                 continue
@@ -391,7 +387,7 @@ class DraftModelDrafter(Drafter):
             batch.seq_id[i][0] = seq
             batch.logits[i] = out
         batch.n_tokens = len(rows)
-        rc = llama_cpp.llama_decode(self._ctx.ptr, batch)
+        rc = capi.llama_decode(self._ctx.ptr, batch)
         if rc == 1:
             raise RuntimeError(
                 f"draft context full (n_ctx {self.n_ctx}): no KV slot for {len(rows)} tokens"
@@ -401,7 +397,7 @@ class DraftModelDrafter(Drafter):
         self.n_decode_calls += 1
         self.n_decoded_tokens += len(rows)
         n_out = sum(1 for r in rows if r[3])
-        ptr = llama_cpp.llama_get_logits(self._ctx.ptr)
+        ptr = capi.llama_get_logits(self._ctx.ptr)
         return np.ctypeslib.as_array(ptr, shape=(n_out, self.n_vocab)).copy()
 
     def _top_children(self, logits: np.ndarray) -> list[list[tuple[int, float]]]:

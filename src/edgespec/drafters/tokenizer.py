@@ -12,8 +12,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path as FsPath
 
-import llama_cpp
-
+from edgespec.llm import capi
 from edgespec.llm.llamacpp import Model, load_model
 from edgespec.llm.models import ModelError
 
@@ -48,9 +47,9 @@ class TokenizerFingerprint:
 def fingerprint_of(model: Model) -> TokenizerFingerprint:
     """The fingerprint of a loaded model's vocabulary."""
     vocab, n = model.vocab, model.n_vocab
-    get_text, get_attr = llama_cpp.llama_vocab_get_text, llama_cpp.llama_vocab_get_attr
+    get_text, get_attr = capi.llama_vocab_get_text, capi.llama_vocab_get_attr
     used = n
-    while used > 0 and get_attr(vocab, used - 1) & llama_cpp.LLAMA_TOKEN_ATTR_UNUSED:
+    while used > 0 and get_attr(vocab, used - 1) & capi.LLAMA_TOKEN_ATTR_UNUSED:
         used -= 1
     h = hashlib.sha256()
     for tok in range(used):
@@ -62,7 +61,7 @@ def fingerprint_of(model: Model) -> TokenizerFingerprint:
 def _first_difference(draft: str | os.PathLike[str], target: str | os.PathLike[str]) -> str:
     """Where two vocabularies part (for the refusal message)."""
     with load_model(draft, vocab_only=True) as d, load_model(target, vocab_only=True) as t:
-        get_text = llama_cpp.llama_vocab_get_text
+        get_text = capi.llama_vocab_get_text
         for tok in range(min(d.n_vocab, t.n_vocab)):
             a, b = get_text(d.vocab, tok), get_text(t.vocab, tok)
             if a != b:

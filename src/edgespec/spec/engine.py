@@ -42,11 +42,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edgespec import core
 from edgespec.chain import Batch, Chain, Sampling
 from edgespec.drafters.base import Drafter, DraftTree
 from edgespec.spec.gain import GainMeter
-from edgespec.wire import KvOp, KvOpCode
+from edgespec.tree import core
+from edgespec.tree.kvop import KvOp, KvOpCode
 
 log = logging.getLogger(__name__)
 
@@ -240,7 +240,7 @@ class SpecEngine:
         self._lap = secrets.randbits(30)
         # A new head knows nothing of what the stages hold: its first batch starts from an
         # empty cache (ordered ahead of that batch like any other KV operation).
-        self._pending_ops: list[KvOp] = [KvOp(KvOpCode.RM, 0, -1, -1), KvOp(KvOpCode.KEEP, 0)]
+        self._pending_ops: list[KvOp] = KvOp.clear()
         self._stale: Counter = Counter()  # lap -> results of decided trees still in flight
         self._plain_rounds = 0
         self._room = 0
@@ -253,7 +253,7 @@ class SpecEngine:
     def reset(self) -> None:
         """Drop every stage's KV (all sequences) and forget the history."""
         self._pending_ops = []
-        self.chain.kv([KvOp(KvOpCode.RM, 0, -1, -1), KvOp(KvOpCode.KEEP, 0)])
+        self.chain.kv(KvOp.clear())
         self.history = []
 
     def resolve_mode(self, mode: str) -> str:
@@ -272,7 +272,7 @@ class SpecEngine:
         self.chain = chain
         self.history = []
         self._stale.clear()
-        self._pending_ops = [KvOp(KvOpCode.RM, 0, -1, -1), KvOp(KvOpCode.KEEP, 0)]
+        self._pending_ops = KvOp.clear()
 
     def run(self, prompt: Sequence[int], *, max_tokens: int, sampling: Sampling,
             mode: str = "auto", cancel: threading.Event | None = None,
@@ -513,7 +513,7 @@ class SpecEngine:
                                              tokens_all, parents_all)
         else:
             rnd.verifier.extend(tokens_all[start:stop], parents_all[start:stop], start)
-        kv = [_op_from_core(op) for op in np.asarray(ordered.ops).reshape(-1, 5)]
+        kv = KvOp.rows(ordered.ops)
         count = max(1, min(n_segments, stop - start))
         bounds = rnd.tree.segment_bounds(count=count, start=start, stop=stop).tolist()
         for a, b in zip(bounds[:-1], bounds[1:], strict=True):
@@ -540,7 +540,7 @@ class SpecEngine:
         self._observe_acceptance(rnd.tree, path, int(decision.bonus))
         root_token = int(rnd.tree.root_token)
         plan = rnd.tree.commit(decision)
-        self._pending_ops.extend(_op_from_core(op) for op in np.asarray(plan.ops).reshape(-1, 5))
+        self._pending_ops.extend(KvOp.rows(plan.ops))
         tokens = [int(t) for t in plan.tokens]
         self._commit([root_token, *tokens])
         gained = [*tokens, int(decision.bonus)]
@@ -686,7 +686,7 @@ class SpecEngine:
             # order (pre_ops of the next batch), behind any of their rows still in flight.
             self.chain.prune(dead.tolist(), (), lap=rnd.lap)
             self.stats.rows_pruned += len(dead)
-            self._pending_ops.extend(_op_from_core(op) for op in np.asarray(plan.ops).reshape(-1, 5))
+            self._pending_ops.extend(KvOp.rows(plan.ops))
         rnd.frontier = int(d.path[-1])
         rnd.frontier_tokens = [int(t) for t in d.tokens]
         if self.listeners:
@@ -774,14 +774,3 @@ class SpecEngine:
 def sampling_config(s: Sampling) -> core.SamplerConfig:
     return core.SamplerConfig(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                               seed=s.seed & 0xFFFFFFFFFFFFFFFF)
-
-
-def _op_from_core(op) -> KvOp:
-    kind, a, b, p0, p1 = (int(x) for x in op)
-    if kind == core.SEQ_CP:
-        return KvOp(KvOpCode.CP, a, p0, p1, b)
-    if kind == core.SEQ_RM:
-        return KvOp(KvOpCode.RM, a, p0, p1)
-    if kind == core.SEQ_KEEP:
-        return KvOp(KvOpCode.KEEP, a)
-    raise ValueError(f"unknown core op {kind}")

@@ -21,18 +21,19 @@ Contracts (identical in tests/ref_core.py, checked side by side):
   ``select()`` and ``order()`` renumber pending nodes only and return the old->new map.
 * **Seq ids.** Seq 0 is the committed prefix. Every live leaf owns one seq id in 1..max_seqs
   (lowest free first); a row carries the seqs of all live leaves below it, ascending. A new leaf
-  under a fresh tree gets ``SEQ_CP(0 -> s, -1, -1)``; the first new leaf under an earlier leaf row
+  under a fresh tree gets ``CP(0 -> s, -1, -1)``; the first new leaf under an earlier leaf row
   inherits that row's seq; any other new leaf under an earlier row ``a`` gets
-  ``SEQ_CP(x -> s, -1, pos(a) + 1)``, x the seq of the lowest-row earlier leaf below ``a``.
-* **Ops** are int32 rows ``(kind, a, b, p0, p1)``: ``SEQ_CP`` = llama_memory_seq_cp(a, b, p0, p1),
-  ``SEQ_RM`` = llama_memory_seq_rm(a, p0, p1), ``SEQ_KEEP`` = llama_memory_seq_keep(a). Apply them
-  in order before decoding any later row (see ``apply_ops``).
+  ``CP(x -> s, -1, pos(a) + 1)``, x the seq of the lowest-row earlier leaf below ``a``.
+* **Ops** are int32 rows ``(code, seq, p0, p1, arg)`` of :class:`edgespec.tree.kvop.KvOpCode`:
+  ``CP`` = llama_memory_seq_cp(seq, arg, p0, p1), ``RM`` = llama_memory_seq_rm(seq, p0, p1),
+  ``KEEP`` = llama_memory_seq_keep(seq) (``KvOp.rows`` reads them). Apply them in order before
+  decoding any later row.
 * **Verification** draws the target's token at each visited node (argmax, or seeded sampling with
   temperature / top-k / top-p; the draw for sequence position p uses ``uniform(seed, p)``, so the
   output equals plain sampling with the same seed whatever the tree). Child holding it: descend;
   an unprocessed child holding it: PENDING; none: ACCEPTED with it as the bonus token.
-* **Plans.** ``commit`` (ACCEPTED): ``SEQ_CP(x -> 0, root_pos, pos(n) + 1)``, ``SEQ_KEEP(0)``; the
-  tree restarts at the bonus token. ``prune`` (PENDING): ``SEQ_RM`` for each rejected leaf seq;
+* **Plans.** ``commit`` (ACCEPTED): ``CP(x -> 0, root_pos, pos(n) + 1)``, ``KEEP(0)``; the
+  tree restarts at the bonus token. ``prune`` (PENDING): ``RM`` for each rejected leaf seq;
   survivors = accepted path + subtree of its deepest node; stages drop in-flight rows whose row
   is not a survivor. A lap's rows in flight after a commit are dropped by the stages.
 """
@@ -44,12 +45,15 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from edgespec._native import core as _core
+from edgespec.tree.kvop import KvOpCode
+
+# The C++ core numbers its plan ops as KvOpCode does (csrc/tree.hpp); a stale build would not.
+if (_core.KV_RM, _core.KV_CP, _core.KV_KEEP) != (KvOpCode.RM, KvOpCode.CP, KvOpCode.KEEP):
+    raise ImportError("edgespec._core numbers KV operations differently from edgespec.tree.kvop: "
+                      "rebuild it (pip install -e .)")
 
 ACCEPTED: int = _core.ACCEPTED
 PENDING: int = _core.PENDING
-SEQ_CP: int = _core.SEQ_CP
-SEQ_RM: int = _core.SEQ_RM
-SEQ_KEEP: int = _core.SEQ_KEEP
 MAX_SEQS: int = _core.MAX_SEQS
 
 Decision = _core.Decision
@@ -200,19 +204,3 @@ class Verifier:
 def argmax_rows(logits: np.ndarray) -> np.ndarray:
     """Argmax of each float32 row (lowest id among ties), GIL released, one thread."""
     return _core.argmax_rows(logits)
-
-
-def apply_ops(mem: Any, ops: np.ndarray) -> None:
-    """Applies plan/order ops to a llama.cpp memory handle (``llama_get_memory(ctx)``)."""
-    import llama_cpp  # local: the core itself never needs llama.cpp
-
-    for kind, a, b, p0, p1 in np.asarray(ops, np.int32).tolist():
-        if kind == SEQ_CP:
-            llama_cpp.llama_memory_seq_cp(mem, a, b, p0, p1)
-        elif kind == SEQ_RM:
-            if not llama_cpp.llama_memory_seq_rm(mem, a, p0, p1):
-                raise RuntimeError(f"llama_memory_seq_rm({a}, {p0}, {p1}) failed")
-        elif kind == SEQ_KEEP:
-            llama_cpp.llama_memory_seq_keep(mem, a)
-        else:
-            raise ValueError(f"unknown KV op kind {kind}")
