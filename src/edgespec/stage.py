@@ -1,6 +1,6 @@
 """One layer window of a model on llama.cpp: the unit every node runs (docs/design.md 2, 3.2-3.5).
 
-A :class:`StageRuntime` loads one window ``[a, b)`` (a shard from :mod:`edgespec.shard`, or a
+A :class:`StageRuntime` loads one window ``[a, b)`` (a shard from :mod:`edgespec.llm.shards`, or a
 window it cuts from a full GGUF) into its own llama.cpp context and runs batches through it:
 
 * the first window takes token ids, later windows take hidden states (float32 or float16,

@@ -254,7 +254,7 @@ def load_model(
     """Load a GGUF file.
 
     Args:
-        path: the GGUF file (full model or a shard written by :mod:`edgespec.shard`).
+        path: the GGUF file (full model or a shard written by :mod:`edgespec.llm.shards`).
         n_gpu_layers: layers to offload to a GPU backend (-1 = all); ignored on CPU-only builds.
         use_extra_bufts: CPU extra buffer types (repacking, AMX). None =
             :func:`extra_bufts_default` (on unless the CPU has AMX, which segfaults, docs/design.md 3.6).
