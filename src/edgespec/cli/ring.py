@@ -1,0 +1,222 @@
+"""`edgespec node` and `edgespec ring up / status / down / rebalance`: forming and keeping a ring."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from edgespec.cli.common import _add, _set_help
+
+# ------------------------------------------------------------------------------------ node
+
+def _node(args: argparse.Namespace) -> int:
+    from edgespec.node import run_node_command
+
+    return run_node_command(args)
+
+
+def _add_node(sub) -> None:
+    from edgespec.node import add_node_arguments
+
+    p = _add(sub, "node", "run a ring member on this device (hosts stage windows)",
+             "Starts the node daemon: it advertises itself over mDNS as _edgespec._tcp, "
+             "accepts only peers that prove the ring key, loads the layer windows the head "
+             "assigns, and passes hidden states straight to the next node. Stop it with "
+             "Ctrl-C or SIGTERM.", func=_node)
+    add_node_arguments(p)
+    _set_help(p, "--cache", "directory for the node's id, models and received shards "
+              "(default: $EDGESPEC_HOME, else ~/.cache/edgespec)")
+
+
+# ------------------------------------------------------------------------------------ ring
+
+def _ring_up(args: argparse.Namespace) -> int:
+    from edgespec.auth import ensure_key
+    from edgespec.llm.models import resolve
+    from edgespec.llm.shards import parse_ranges
+    from edgespec.ring import (
+        discover,
+        form_ring,
+        head_identity,
+        load_state,
+        named_nodes,
+        parse_nodes,
+        save_state,
+        state_path,
+        unload_nodes,
+    )
+
+    key = ensure_key(args.key_file)
+    model = resolve(args.model)
+    head = head_identity("edgespec ring up")
+    if args.nodes == "auto":
+        print(f"looking for nodes over mDNS ({args.timeout:.0f} s)...", file=sys.stderr)
+        addrs = discover(args.expect, args.timeout, key, log_fn=print)
+        print(f"found {len(addrs)} node(s): " + ", ".join(f"{h}:{p}" for h, p in addrs))
+    else:
+        addrs = parse_nodes(args.nodes)
+    ranges = parse_ranges(args.ranges) if args.ranges else None
+    if args.plan:
+        import json
+
+        ranges = [tuple(r) for r in json.loads(Path(args.plan).read_text())["ranges"]]
+    previous: list = []
+    if state_path().exists():
+        from edgespec.errors import RingError
+
+        try:
+            previous = named_nodes(load_state())
+        except RingError:
+            previous = []
+    chain = form_ring(addrs, model, key, ranges=ranges, rounds=args.rounds, n_ctx=args.ctx,
+                      encoding=args.activations, profile=not args.no_profile, log_fn=print,
+                      head=head, take_over=args.take_over)
+    try:
+        path = save_state(chain, model, {"encoding": args.activations, "n_ctx": args.ctx,
+                                         "key_file": args.key_file})
+    finally:
+        chain.close()
+    # Nodes of the previous ring that are not in this one give their memory back.
+    dropped = [(n, a) for n, a in previous if a not in addrs]
+    if dropped:
+        print(f"unloading {len(dropped)} node(s) of the previous ring that are not in this one")
+        unload_nodes(dropped, key, head=head, take_over=args.take_over, say=print,
+                     warn=lambda s: print(s, file=sys.stderr))
+    print(f"ring is up: {len(chain.plan.windows)} stages on {len(addrs)} node(s); "
+          f"state saved to {path}")
+    return 0
+
+
+def _fmt_gb(v) -> str:
+    return f"{int(v) / 2**30:.1f}GB" if v else "-"
+
+
+def _ring_status(args: argparse.Namespace) -> int:
+    from edgespec.auth import load_key
+    from edgespec.nodeinfo import describe_holder
+    from edgespec.ring import load_state, ring_report
+
+    state = load_state()
+    key = load_key(args.key_file or state.get("key_file"))
+    rows = ring_report(state, key)
+    wins = state["plan"]["windows"]
+    nodes_in = sum(1 for r in rows if not r["left"])
+    holders = {r["holder"]["id"]: r["holder"] for r in rows if r.get("holder")}
+    print(f"model: {state['model']}")
+    print(f"plan in force: {len(wins)} stage(s) on {nodes_in} node(s)"
+          + (f"; held by {', '.join(describe_holder(h) for h in holders.values())}"
+             if holders else "; no head attached"))
+    print(f"{'node':<16} {'address':<22} {'layers':<12} {'free RAM':>9} {'RTT ms':>7}  state")
+    bad = 0
+    for r in rows:
+        layers = ",".join(f"{a}:{b}" for _s, (a, b) in sorted(r["plan"].items())) or "-"
+        rtt = f"{r['rtt_ms']:.2f}" if r["rtt_ms"] is not None else "-"
+        state_txt = r["state"]
+        if r["state"] == "other windows":
+            state_txt += " (" + ",".join(f"{a}:{b}" for a, b in r["held"].values()) + ")"
+        elif r["state"] == "unreachable":
+            state_txt += f" ({r.get('error')})"
+        elif r["state"] == "returned":
+            state_txt += " (answers again: `edgespec ring rebalance` takes it back)"
+        elif r["state"] == "left":
+            state_txt += f" ({r.get('reason') or 'not in the ring'})"
+        if not r["left"] and r["state"] != "loaded":
+            bad += 1
+        print(f"{r['name'][:16]:<16} {r['address']:<22} {layers:<12} {_fmt_gb(r['free_ram']):>9}"
+              f" {rtt:>7}  {state_txt}")
+    if bad:
+        print(f"{bad} node(s) of the plan are not serving it: run `edgespec ring rebalance`")
+    return 0
+
+
+def _ring_down(args: argparse.Namespace) -> int:
+    from edgespec.auth import load_key
+    from edgespec.ring import head_identity, load_state, named_nodes, state_path, unload_nodes
+
+    state = load_state()
+    key = load_key(args.key_file or state.get("key_file"))
+    nodes = named_nodes(state)
+    done = unload_nodes(nodes, key, head=head_identity("edgespec ring down"),
+                        take_over=args.take_over, say=print,
+                        warn=lambda s: print(s, file=sys.stderr))
+    state_path().unlink(missing_ok=True)
+    missed = len(nodes) - len(done)
+    print("ring is down" + (f"; {missed} node(s) not reached (they hold nothing of it once "
+                            f"restarted)" if missed else ""))
+    return 0
+
+
+def _ring_rebalance(args: argparse.Namespace) -> int:
+    from edgespec.auth import load_key
+    from edgespec.ring import (
+        head_identity,
+        load_state,
+        node_addresses,
+        parse_nodes,
+        reform_ring,
+        save_state,
+    )
+
+    state = load_state()
+    key = load_key(args.key_file or state.get("key_file"))
+    addrs = node_addresses(state)
+    if args.nodes:
+        addrs += [a for a in parse_nodes(args.nodes) if a not in addrs]
+    chain = reform_ring(addrs, state["model"], key, n_ctx=int(state.get("n_ctx", 4096)),
+                        encoding=state.get("encoding", "f32"), profile=not args.no_profile,
+                        log_fn=print, head=head_identity("edgespec ring rebalance"),
+                        take_over=args.take_over)
+    try:
+        path = save_state(chain, state["model"],
+                          {k: state[k] for k in ("encoding", "n_ctx", "key_file") if k in state},
+                          known=addrs, reason="did not answer at rebalance")
+    finally:
+        chain.close()
+    print(f"ring rebalanced: {len(chain.plan.windows)} stage(s) over {len(chain.members)} "
+          f"node(s); state saved to {path}")
+    return 0
+
+
+def _add_ring(sub) -> None:
+    p = _add(sub, "ring", "form, inspect and stop a ring of nodes")
+    rsub = p.add_subparsers(dest="ring_cmd", metavar="ACTION", required=True)
+    up = _add(rsub, "up", "discover nodes, plan layer windows, load them and link the ring",
+              "Finds nodes (mDNS or a list), profiles each one's speed on this model, plans "
+              "contiguous layer windows by speed and memory, has every node cut and load its "
+              "windows from its own copy of the model, links the stages node to node, runs a "
+              "health lap and saves the ring state for `chat`, `serve` and Python.",
+              func=_ring_up)
+    up.add_argument("--model", default="qwen2.5-coder-0.5b",
+                    help="registry name or .gguf path (the same file must be on every node)")
+    up.add_argument("--nodes", default="auto", help="'auto' (mDNS) or host:port,host:port,...")
+    up.add_argument("--expect", type=int, default=None, help="wait for this many nodes")
+    up.add_argument("--timeout", type=float, default=5.0, help="mDNS discovery time (s)")
+    up.add_argument("--rounds", type=int, default=1,
+                    help="windows per node (prima.cpp piped ring: a lap visits each node k times)")
+    up.add_argument("--ranges", default=None, help="override the plan: 0:12,12:24,...")
+    up.add_argument("--plan", default=None, help="override the plan with a JSON file "
+                    '{"ranges": [[0,12],[12,24]]}')
+    up.add_argument("--ctx", type=int, default=4096, help="context size (KV cells) per stage")
+    up.add_argument("--activations", choices=("f32", "f16", "q8"), default="f32",
+                    help="hidden-state encoding between stages: f32 is exact (output identical to the "
+                         "unsplit model); f16 and q8 halve and quarter the bytes per hop but may "
+                         "change greedy output on near ties")
+    up.add_argument("--no-profile", action="store_true", help="skip profiling (even split)")
+    up.add_argument("--key-file", default=None, help="ring key (created if missing)")
+    up.add_argument("--take-over", action="store_true",
+                    help="take nodes held by another head (that head's requests then fail)")
+    st = _add(rsub, "status", "show the ring as it is: each node's windows, links, memory, "
+              "RTT and the head holding it", func=_ring_status)
+    st.add_argument("--key-file", default=None, help="ring key")
+    dn = _add(rsub, "down", "unload every node's windows and forget the ring", func=_ring_down)
+    dn.add_argument("--key-file", default=None, help="ring key")
+    dn.add_argument("--take-over", action="store_true",
+                    help="unload nodes even while another head (chat, serve) holds them")
+    rb = _add(rsub, "rebalance", "re-plan the ring over every reachable node (takes back a "
+              "node that returned after a loss)", func=_ring_rebalance)
+    rb.add_argument("--nodes", default=None, help="extra host:port,... to take in")
+    rb.add_argument("--no-profile", action="store_true", help="skip profiling (even split)")
+    rb.add_argument("--key-file", default=None, help="ring key")
+    rb.add_argument("--take-over", action="store_true",
+                    help="re-form even while another head (chat, serve) holds the nodes")

@@ -1,0 +1,188 @@
+"""`edgespec chat`, `edgespec serve` and `edgespec demo`: using a ring (local or up)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from edgespec.cli.common import MIN_CTX, _add, _at_least
+
+# ------------------------------------------------------------------------------- run a ring
+
+def _add_ring_choice(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="qwen2.5-coder-0.5b", action=_StoreGiven,
+                   help="registry name or .gguf path for a local ring (default: "
+                        "qwen2.5-coder-0.5b; a ring that is up keeps its own model, with a "
+                        "warning if it is another one)")
+    p.add_argument("--local", type=_at_least(1), default=None, metavar="N",
+                   help="start a local ring of N node processes instead of attaching to the "
+                        "ring that is up (default: attach if one is up, else N=2)")
+    p.add_argument("--spec", choices=("auto", "none", "sync", "flow"), default="auto",
+                   help="speculative decoding mode")
+    p.add_argument("--draft", default=None,
+                   help="draft model (same tokenizer), e.g. qwen2.5-coder-0.5b for the 1.5B; "
+                        "without one the head drafts by retrieval (n-grams of the prompt and "
+                        "answer so far)")
+    p.add_argument("--draft-quant", choices=("q4_0", "none"), default="q4_0",
+                   help="draft with a cached Q4_0 copy of the draft model (default; made once, "
+                        "faster on CPUs, never changes the output) or with the file as given")
+    p.add_argument("--ctx", type=_at_least(MIN_CTX, why=" (a speculation tree's sequences "
+                                                     "need that many KV cells)"),
+                   default=4096, help="context size (KV cells per stage) of a local ring")
+    p.add_argument("--take-over", action="store_true",
+                   help="attach even while another head holds the ring (its requests then "
+                        "fail); without it a held ring is refused with the holder named")
+
+
+class _StoreGiven(argparse.Action):
+    """Stores the value and remembers that the user gave it (``<dest>_given``), so a command
+    can tell a choice from the default."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, values)
+        setattr(namespace, f"{self.dest}_given", True)
+
+
+def _open_ring(args: argparse.Namespace):
+    from edgespec.api import Ring
+    from edgespec.ring import state_path
+
+    if args.local is None and state_path().exists():
+        return Ring.attach(spec=args.spec, draft=args.draft, draft_quant=args.draft_quant,
+                           take_over=args.take_over)
+    n = args.local or 2
+    print(f"starting a local ring of {n} node processes for {args.model}...", file=sys.stderr)
+    return Ring.local(args.model, stages=n, draft=args.draft, spec=args.spec, n_ctx=args.ctx,
+                      verbose=args.verbose, draft_quant=args.draft_quant)
+
+
+def _exit_on_hangup() -> None:
+    """SIGTERM and SIGHUP (a closed terminal window) end the command as Ctrl-C does: through
+    its ``with`` blocks, so a local ring's node processes are stopped, not left orphaned."""
+    import signal
+
+    def stop(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop)
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from edgespec.chat import run_chat, run_server_chat
+
+    _exit_on_hangup()
+
+    if args.server:
+        if args.local is not None:
+            raise ValueError("--server talks to a running `edgespec serve`, --local N starts "
+                             "a ring of its own: give one of them")
+        return run_server_chat(args.server, api_key=args.api_key, system=args.system,
+                               temperature=args.temperature, max_tokens=args.max_tokens)
+    with _open_ring(args) as ring:
+        _warn_other_model(args, ring)
+        return run_chat(ring, system=args.system, temperature=args.temperature,
+                        max_tokens=args.max_tokens, spec=args.spec)
+
+
+def _warn_other_model(args: argparse.Namespace, ring) -> None:
+    """``--model`` names the model of a local ring; a ring that is up keeps its own. Say so
+    when the user asked for another one instead of silently chatting with the wrong model."""
+
+    from edgespec.llm.models import REGISTRY
+
+    if not getattr(args, "model_given", False):
+        return
+    wanted = Path(REGISTRY[args.model].filename if args.model in REGISTRY else args.model).stem
+    if wanted != ring.model_name:
+        print(f"edgespec: warning: --model {args.model} ignored: the ring that is up runs "
+              f"{ring.model_name} (use --local N for a ring of your own, or `edgespec ring "
+              f"down` and `edgespec ring up --model {args.model}`)", file=sys.stderr)
+
+
+def _add_chat(sub) -> None:
+    p = _add(sub, "chat", "chat with the model on the ring (streams tokens as accepted)",
+             "Interactive chat. The model's own chat template is applied by llama.cpp; earlier "
+             "turns stay in the ring's KV cache, so a new turn only processes its new tokens. "
+             "On a terminal the line is edited with readline (arrow keys, history in "
+             "$EDGESPEC_HOME/chat_history). Commands: /help, /reset, /stats, /exit. Ctrl-C "
+             "stops the current answer. With --server URL it chats with a running `edgespec "
+             "serve` instead of taking the ring. Exits 1 if an answer failed (for scripts "
+             "that pipe questions in).", func=_chat)
+    _add_ring_choice(p)
+    p.add_argument("--server", default=None, metavar="URL",
+                   help="chat with the `edgespec serve` at URL (e.g. http://127.0.0.1:8080) "
+                        "over its OpenAI API instead of holding the ring in this process")
+    p.add_argument("--api-key", default=None,
+                   help="bearer token for --server (default: $EDGESPEC_API_KEY, if set)")
+    p.add_argument("--system", default=None, help="system prompt")
+    p.add_argument("--temperature", type=_at_least(0.0, float), default=0.0,
+                   help="0 = greedy")
+    p.add_argument("--max-tokens", type=_at_least(1), default=512,
+                   help="answer length limit (capped to the room left in the context)")
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Bind ``host:port`` once and let go: a taken port then fails in a second, not after the
+    ring has been brought up for a server that cannot listen."""
+    import socket
+
+    if port == 0:
+        return
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server will
+        s.bind((host, port))
+
+
+def _serve(args: argparse.Namespace) -> int:
+
+    from edgespec.server import serve
+
+    _check_port_free(args.host, args.port)
+    with _open_ring(args) as ring:
+        # --model is what the user calls the model (a registry name or a path): clients
+        # may use it as the model id too.
+        serve(ring, args.served_name or ring.model_name, host=args.host, port=args.port,
+              max_queue=args.max_queue, aliases=[args.model],
+              api_key=args.api_key or os.environ.get("EDGESPEC_API_KEY") or None)
+    return 0
+
+
+def _add_serve(sub) -> None:
+    p = _add(sub, "serve", "OpenAI-compatible HTTP server over the ring",
+             "Serves /v1/models, /v1/completions and /v1/chat/completions (with streaming), "
+             "and a web page at / (chat, the ring drawn live, the token tree, session "
+             "charts; live data: /v1/ring). Requests run one at a time in arrival order; "
+             "beyond --max-queue waiting requests the server answers 429.", func=_serve)
+    _add_ring_choice(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8080, help="port to listen on")
+    p.add_argument("--max-queue", type=int, default=16, help="requests allowed to wait")
+    p.add_argument("--served-name", default=None,
+                   help="model id reported to clients (default: the model file's name)")
+    p.add_argument("--api-key", default=None,
+                   help="require this bearer token on every endpoint, the web page included; "
+                        "without the flag, $EDGESPEC_API_KEY if set. Set one when --host shares "
+                        "the server on the LAN")
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from edgespec.demo import run_demo
+
+    _exit_on_hangup()
+    return run_demo(args)
+
+
+def _add_demo(sub) -> None:
+    p = _add(sub, "demo", "one-command local demo: fetch the default model, start a 2-node "
+             "ring, stream an answer with speculation, print statistics", func=_demo)
+    p.add_argument("--model", default="qwen2.5-coder-0.5b", help="registry name or .gguf path")
+    p.add_argument("--stages", type=_at_least(1), default=2,
+                   help="node processes in the local ring")
+    p.add_argument("--spec", choices=("auto", "none", "sync", "flow"), default="auto",
+                   help="speculative decoding mode")
+    p.add_argument("--max-tokens", type=_at_least(1), default=256, help="answer length")
+    p.add_argument("--prompt", default=None,
+                   help="your own prompt (default: a short Python task)")
