@@ -143,7 +143,8 @@ def main() -> None:
     sys.path.insert(0, str(REPO))
     from edgespec.drafters import HybridDrafter, RetrievalDrafter
     from edgespec.llm import models
-    from edgespec.llm.llamacpp import Tokenizer, load_model
+    from edgespec.llm.llamacpp import load_model
+    from edgespec.llm.tokenizer import Tokenizer
 
     model_path = models.ensure(args.model)
     source, text = load_text()

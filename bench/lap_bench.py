@@ -65,7 +65,8 @@ def run_overhead(model: str, stages: list[int], n_tokens: int, log) -> list[dict
 
     path = _model_path(model)
     out: list[dict[str, Any]] = []
-    from edgespec.llm.llamacpp import Tokenizer, load_model
+    from edgespec.llm.llamacpp import load_model
+    from edgespec.llm.tokenizer import Tokenizer
 
     vocab = load_model(path, vocab_only=True)
     prompts = [Tokenizer(vocab).encode(p) for p in CODE_PROMPTS]

@@ -657,7 +657,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"[{time.perf_counter() - t_start:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
     from edgespec.llm import models
-    from edgespec.llm.llamacpp import Tokenizer, load_model
+    from edgespec.llm.llamacpp import load_model
+    from edgespec.llm.tokenizer import Tokenizer
 
     target = models.ensure(target_name)
     draft = models.ensure(draft_name) if {"model", "auto"} & set(drafters) else None

@@ -23,6 +23,7 @@ from edgespec.llm import llamacpp
 from edgespec.llm.architectures import ARCHITECTURES, UnsupportedArchitectureError
 from edgespec.llm.gguf_read import ShardError, read_info
 from edgespec.llm.shards import cut_window, shard_model
+from edgespec.llm.tokenizer import Tokenizer
 from edgespec.stage import StageRuntime
 
 
@@ -79,7 +80,7 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 
 def _greedy_unsplit(model: Path, n: int) -> list[int]:
     with llamacpp.load_model(model, vocab_only=True) as vocab:
-        tok = llamacpp.Tokenizer(vocab)
+        tok = Tokenizer(vocab)
         with StageRuntime(model, n_ctx=256, n_threads=1) as rt:
             logits = rt.forward(np.asarray(PROMPT, np.int32), 0, want_rows=[-1])[0]
             out: list[int] = []

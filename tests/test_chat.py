@@ -113,7 +113,8 @@ class PtyProcess:
 
 @pytest.fixture(scope="module")
 def tokenizer(real_model_path):
-    from edgespec.llm.llamacpp import Tokenizer, load_model
+    from edgespec.llm.llamacpp import load_model
+    from edgespec.llm.tokenizer import Tokenizer
 
     model = load_model(real_model_path, vocab_only=True)
     yield Tokenizer(model)

@@ -48,7 +48,8 @@ def test_demo_prints_the_ring_table(demo_run):
 
 
 def test_demo_answer_is_the_models_greedy_answer(demo_run, real_model_path):
-    from edgespec.llm.llamacpp import Tokenizer, load_model
+    from edgespec.llm.llamacpp import load_model
+    from edgespec.llm.tokenizer import Tokenizer
 
     out = demo_run.stdout
     start = out.index(f">>> {PROMPT}\n\n") + len(PROMPT) + 6

@@ -17,7 +17,8 @@ from tinygguf import make_tiny_gguf
 from edgespec.drafters import HybridDrafter, RetrievalDrafter
 from edgespec.drafters.model import DraftModelDrafter
 from edgespec.drafters.tokenizer import TokenizerMismatchError, tokenizer_fingerprint
-from edgespec.llm.llamacpp import Tokenizer, load_model, new_context
+from edgespec.llm.llamacpp import load_model, new_context
+from edgespec.llm.tokenizer import Tokenizer
 
 
 class Reference:

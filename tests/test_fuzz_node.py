@@ -14,7 +14,8 @@ from edgespec.api import Ring
 from edgespec.auth import load_key, write_key
 from edgespec.chain import Batch
 from edgespec.frames import batch_message
-from edgespec.llm.llamacpp import Tokenizer, load_model
+from edgespec.llm.llamacpp import load_model
+from edgespec.llm.tokenizer import Tokenizer
 from edgespec.local import LocalNodes
 from edgespec.ring import form_ring
 from edgespec.transport import TransportError, connect

@@ -309,7 +309,8 @@ def test_requests_have_no_near_tie(real_model_path):
     """The precondition of comparing greedy texts across batch shapes (see CHAT)."""
     import numpy as np
 
-    from edgespec.llm.llamacpp import Tokenizer, load_model
+    from edgespec.llm.llamacpp import load_model
+    from edgespec.llm.tokenizer import Tokenizer
     from edgespec.stage import StageRuntime
 
     model = load_model(real_model_path, vocab_only=True)
@@ -344,7 +345,8 @@ def test_models_and_health(server):
 
 @pytest.mark.real_model
 def test_chat_answer_is_the_unsplit_models_greedy_answer(server, alone, real_model_path):
-    from edgespec.llm.llamacpp import Tokenizer, load_model
+    from edgespec.llm.llamacpp import load_model
+    from edgespec.llm.tokenizer import Tokenizer
 
     model = load_model(real_model_path, vocab_only=True)
     try:

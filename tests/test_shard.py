@@ -31,6 +31,7 @@ from edgespec.llm.shards import (
     parse_ranges,
     shard_model,
 )
+from edgespec.llm.tokenizer import Tokenizer
 
 
 def _meta(path: Path) -> dict:
@@ -160,7 +161,7 @@ def test_cli(tiny_qwen2: Path, tmp_path: Path) -> None:  # noqa: F811
 def test_tiny_models_tokenize_and_chat(tiny_qwen2: Path, tiny_llama: Path) -> None:  # noqa: F811
     for path in (tiny_qwen2, tiny_llama):
         with llamacpp.load_model(path, vocab_only=True) as m:
-            tok = llamacpp.Tokenizer(m)
+            tok = Tokenizer(m)
             text = "def f(x):\n    return x * 2  # ünïcode"
             ids = tok.encode(text, add_special=False)
             assert tok.decode(ids) == text
@@ -172,7 +173,7 @@ def test_tiny_models_tokenize_and_chat(tiny_qwen2: Path, tiny_llama: Path) -> No
             chat = tok.chat_prompt([{"role": "user", "content": "hi"}])
             assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     with llamacpp.load_model(tiny_qwen2, vocab_only=True) as m:
-        tok = llamacpp.Tokenizer(m)
+        tok = Tokenizer(m)
         ids = tok.chat_tokens([{"role": "user", "content": "hi"}])
         assert ids[0] == tok.encode("<|im_start|>", add_special=False, parse_special=True)[0]
         assert tok.is_eog(tok.eos_id)

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from stage_fixtures import TREE_PARENTS, check_tree, real_shards, two_by_two  # noqa: F401 - fixtures
 
-from edgespec.llm.llamacpp import Tokenizer, load_model
+from edgespec.llm.llamacpp import load_model
+from edgespec.llm.tokenizer import Tokenizer
 from edgespec.pipeline import LocalPipeline
 from edgespec.stage import StageRuntime
 

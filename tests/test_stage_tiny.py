@@ -18,8 +18,9 @@ from stage_fixtures import (  # noqa: F401 - fixtures
 from tinygguf import make_tiny_gguf
 
 from edgespec.llm.gguf_read import CorruptShardError, ShardError
-from edgespec.llm.llamacpp import Tokenizer, load_model
+from edgespec.llm.llamacpp import load_model
 from edgespec.llm.shards import shard_model
+from edgespec.llm.tokenizer import Tokenizer
 from edgespec.pipeline import LocalPipeline
 from edgespec.stage import (
     FingerprintMismatchError,

@@ -96,7 +96,8 @@ def test_ring_over_nodes_without_the_model(tmp_path, caplog):
     from tinygguf import make_tiny_gguf
 
     from edgespec.api import Ring
-    from edgespec.llm.llamacpp import Tokenizer, load_model
+    from edgespec.llm.llamacpp import load_model
+    from edgespec.llm.tokenizer import Tokenizer
     from edgespec.local import LocalNodes
     from edgespec.ring import form_ring
 

@@ -110,8 +110,9 @@ def open_local_ring(cls, model: str | os.PathLike[str], stages: int, *, draft=No
     """Build a ``Ring`` (class ``cls``) over ``stages`` windows of ``model`` on this host."""
     from edgespec.drafters.factory import make_drafter
     from edgespec.llm.gguf_read import read_info
-    from edgespec.llm.llamacpp import Tokenizer, load_model, set_verbose
+    from edgespec.llm.llamacpp import load_model, set_verbose
     from edgespec.llm.shards import even_ranges
+    from edgespec.llm.tokenizer import Tokenizer
 
     set_verbose(verbose)
     model_path = models.resolve(model)

@@ -828,7 +828,8 @@ def _head_for(cls, chain: RemoteChain, model: Path, *, spec: str = "auto", draft
               drafter: str = "auto", n_ctx: int = 4096, on_close=None, recover=None,
               draft_quant: str = "q4_0", **engine: Any):
     from edgespec.drafters.factory import make_drafter
-    from edgespec.llm.llamacpp import Tokenizer, load_model
+    from edgespec.llm.llamacpp import load_model
+    from edgespec.llm.tokenizer import Tokenizer
 
     tok_model = load_model(model, vocab_only=True)
 
