@@ -26,15 +26,23 @@ import pytest
 from ring_fixtures import unsplit_greedy
 from tinygguf import make_tiny_gguf
 
-from edgespec import auth
 from edgespec.api import Ring
 from edgespec.chain import Batch
-from edgespec.frames import batch_message
 from edgespec.planner import NodeProfile, PlanError, plan_ring
 from edgespec.ring import RingError, _head_for, form_ring, pick_address
 from edgespec.shard import fingerprint
-from edgespec.transport import RemoteError, TransportError, connect
-from edgespec.wire import FieldTag, Kind, KvOp, KvOpCode, Message, control_message, encode_frame
+from edgespec.wire import (
+    FieldTag,
+    Kind,
+    KvOp,
+    KvOpCode,
+    Message,
+    auth,
+    control_message,
+    encode_frame,
+)
+from edgespec.wire.frames import batch_message
+from edgespec.wire.transport import RemoteError, TransportError, connect
 
 REPO = Path(__file__).resolve().parents[1]
 N_TOKENS = 24

@@ -192,7 +192,7 @@ def _add_shard(sub) -> None:
 
 
 def _keygen(args: argparse.Namespace) -> int:
-    from edgespec.auth import write_key
+    from edgespec.wire.auth import write_key
 
     path = write_key(args.key_file, force=args.force)
     print(f"ring key written to {path} (mode 0600). Copy it to every node "
@@ -231,7 +231,6 @@ def _add_node(sub) -> None:
 # ------------------------------------------------------------------------------------ ring
 
 def _ring_up(args: argparse.Namespace) -> int:
-    from edgespec.auth import ensure_key
     from edgespec.models import resolve
     from edgespec.ring import (
         discover,
@@ -245,6 +244,7 @@ def _ring_up(args: argparse.Namespace) -> int:
         unload_nodes,
     )
     from edgespec.shard import parse_ranges
+    from edgespec.wire.auth import ensure_key
 
     key = ensure_key(args.key_file)
     model = resolve(args.model)
@@ -293,9 +293,9 @@ def _fmt_gb(v) -> str:
 
 
 def _ring_status(args: argparse.Namespace) -> int:
-    from edgespec.auth import load_key
     from edgespec.nodeinfo import describe_holder
     from edgespec.ring import load_state, ring_report
+    from edgespec.wire.auth import load_key
 
     state = load_state()
     key = load_key(args.key_file or state.get("key_file"))
@@ -331,8 +331,8 @@ def _ring_status(args: argparse.Namespace) -> int:
 
 
 def _ring_down(args: argparse.Namespace) -> int:
-    from edgespec.auth import load_key
     from edgespec.ring import head_identity, load_state, named_nodes, state_path, unload_nodes
+    from edgespec.wire.auth import load_key
 
     state = load_state()
     key = load_key(args.key_file or state.get("key_file"))
@@ -348,7 +348,6 @@ def _ring_down(args: argparse.Namespace) -> int:
 
 
 def _ring_rebalance(args: argparse.Namespace) -> int:
-    from edgespec.auth import load_key
     from edgespec.ring import (
         head_identity,
         load_state,
@@ -357,6 +356,7 @@ def _ring_rebalance(args: argparse.Namespace) -> int:
         reform_ring,
         save_state,
     )
+    from edgespec.wire.auth import load_key
 
     state = load_state()
     key = load_key(args.key_file or state.get("key_file"))
@@ -672,7 +672,7 @@ def _address_of(exc: BaseException, args: argparse.Namespace) -> str:
 
 
 def _key_hint(args: argparse.Namespace) -> str:
-    from edgespec.auth import default_key_path
+    from edgespec.wire.auth import default_key_path
 
     key = getattr(args, "key_file", None) or default_key_path()
     return (f"every member must hold the same ring key: copy {key} to that node and start it "
@@ -684,13 +684,13 @@ def explain(exc: BaseException, args: argparse.Namespace) -> str | None:
     anything else (a bug: then the traceback matters)."""
     import errno as _errno
 
-    from edgespec.auth import AuthError, KeyFileError
     from edgespec.errors import RequestError
     from edgespec.errors import RingError as _RingError
     from edgespec.models import ModelError
     from edgespec.ring import RingError as _RingStateError
     from edgespec.shard import ShardError
-    from edgespec.transport import TransportError
+    from edgespec.wire.auth import AuthError, KeyFileError
+    from edgespec.wire.transport import TransportError
 
     cmd = args.command
     if isinstance(exc, AuthError):
@@ -736,9 +736,9 @@ def explain(exc: BaseException, args: argparse.Namespace) -> str | None:
         return str(exc)
     try:  # these pull in llama.cpp: the failure being explained may be that it cannot load
         from edgespec.chat import ServerError
-        from edgespec.discovery import DiscoveryError
         from edgespec.llamacpp import LlamaLoadError
-        from edgespec.transfer import TransferError
+        from edgespec.wire.discovery import DiscoveryError
+        from edgespec.wire.transfer import TransferError
     except ImportError:
         return None
     if isinstance(exc, (ServerError, DiscoveryError, LlamaLoadError, TransferError)):

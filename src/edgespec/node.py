@@ -1,7 +1,7 @@
 """`edgespec node`: the daemon on each device. Hosts stage windows, advertises itself over mDNS,
 and moves batches along the ring.
 
-Frames a node handles (all over authenticated connections, see ``edgespec.transport``):
+Frames a node handles (all over authenticated connections, see ``edgespec.wire.transport``):
 
 - CONTROL ``{"op": ...}``: ``ping`` (heartbeat: answered at once, no probes), ``health``,
   ``profile``, ``load``, ``connect``, ``reset``, ``unload``, ``shard_*`` (shard upload),
@@ -43,11 +43,9 @@ from typing import Any
 
 import numpy as np
 
-from edgespec import __version__, transfer
+from edgespec import __version__
 from edgespec.chain import StageWorker
-from edgespec.frames import batch_message, message_batch, result_message
 from edgespec.nodeinfo import describe_holder
-from edgespec.transport import Connection, Frame, FrameServer, TransportError, connect
 from edgespec.wire import (
     PROTOCOL_VERSION,
     FieldTag,
@@ -56,7 +54,11 @@ from edgespec.wire import (
     WireError,
     error_message,
     kv_ops_list,
+    transfer,
 )
+from edgespec.wire.frames import batch_message, message_batch, result_message
+from edgespec.wire.server import FrameServer
+from edgespec.wire.transport import Connection, Frame, TransportError, connect
 
 log = logging.getLogger("edgespec.node")
 
@@ -648,7 +650,7 @@ def advertised_addresses(bind: str) -> list[str]:
     which would send the head to itself. With no LAN interface at all (a host with only
     loopback) the node is advertised on 127.0.0.1, so a head on the same host still finds it.
     """
-    from edgespec.discovery import local_addresses
+    from edgespec.wire.discovery import local_addresses
 
     if bind not in ("0.0.0.0", "::", ""):
         return [bind]
@@ -679,9 +681,9 @@ def die_with_parent() -> None:
 
 
 def run_node_command(args: argparse.Namespace) -> int:
-    from edgespec.auth import load_key
-    from edgespec.discovery import advertise
     from edgespec.nodeinfo import describe_this_node
+    from edgespec.wire.auth import load_key
+    from edgespec.wire.discovery import advertise
 
     die_with_parent()
     key = load_key(args.key_file)

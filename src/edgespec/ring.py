@@ -33,13 +33,13 @@ from typing import Any
 
 import numpy as np
 
-from edgespec.auth import AuthError
 from edgespec.chain import Batch, Result
 from edgespec.errors import NodeLost, RingBusy, RingError, StageFailure
-from edgespec.frames import batch_message, message_result
 from edgespec.planner import NodeProfile, Plan, PlanError, model_memory, plan_ring
-from edgespec.transport import Connection, TransportError, connect
 from edgespec.wire import FieldTag, Kind, KvOp, Message, control_message
+from edgespec.wire.auth import AuthError
+from edgespec.wire.frames import batch_message, message_result
+from edgespec.wire.transport import Connection, TransportError, connect
 
 log = logging.getLogger("edgespec.ring")
 
@@ -442,7 +442,7 @@ def _send_windows(m: _Member, model_path: Path, fp: str, wins: list) -> dict[str
     fingerprint on the node: a shard it already holds is not sent again)."""
     from edgespec.models import home
     from edgespec.shard import cut_window
-    from edgespec.transfer import send_shard
+    from edgespec.wire.transfer import send_shard
 
     def request(op: str, blob: bytes | None = None, **body: Any) -> Message:
         return m.request(op, blob=blob, timeout=120, **body)
@@ -708,7 +708,7 @@ def discover(expect: int | None, timeout: float, key: bytes | None = None,
     the handshake or stalls is skipped, named in the log, and does not count toward
     ``expect``; browsing goes on for real nodes until ``timeout``.
     """
-    from edgespec.discovery import browse
+    from edgespec.wire.discovery import browse
 
     deadline = time.monotonic() + timeout
     good: list[Address] = []
@@ -864,7 +864,7 @@ def attach(cls, state: str | os.PathLike[str] | None = None, *, key: str | None 
 
     A node that restarted or vanished since is handled like a loss: the ring is re-formed
     over the nodes that answer (and the state file updated)."""
-    from edgespec.auth import load_key
+    from edgespec.wire.auth import load_key
 
     st = load_state(state)
     key_bytes = load_key(key or st.get("key_file"))
@@ -889,8 +889,8 @@ def up(cls, model: str | os.PathLike[str], nodes: str = "auto", *, key: str | No
        encoding: str = "f32", spec: str = "auto", draft=None, take_over: bool = False,
        **engine: Any):
     """Discover (or list) nodes, form the ring, save its state, and return its head."""
-    from edgespec.auth import ensure_key
     from edgespec.models import resolve
+    from edgespec.wire.auth import ensure_key
 
     key_bytes = ensure_key(key)
     model_path = resolve(model)

@@ -36,7 +36,7 @@ from zeroconf import (
     get_all_addresses,
 )
 
-from edgespec.wire import PROTOCOL_VERSION
+from edgespec.wire.header import PROTOCOL_VERSION
 
 log = logging.getLogger("edgespec.discovery")
 

@@ -1,0 +1,358 @@
+"""Authenticated, sealed, framed TCP connections between ring members, and a frame server.
+
+Blocking sockets with one thread per connection, not asyncio, on purpose:
+
+- A hop's latency is the product here. A blocking ``recv_into``/``sendmsg`` pair adds only the
+  system calls; an event loop adds a selector round and task switches per frame.
+- The work a frame triggers is a llama.cpp decode, which releases the GIL (ctypes calls), so a
+  reader thread per link overlaps network and compute without an event loop.
+- A ring has few links (one inbound, one outbound per stage, plus control), so a thread each is
+  cheap.
+
+Copies: a received frame lands once in a ``bytearray`` (``recv_into``) and is decrypted once
+into the payload buffer; numeric fields decode as numpy views of it. ``Connection.forward``
+re-seals that buffer for the next ring member without decoding it (each link has its own
+session keys). Sends go out with ``sendmsg`` scatter/gather: header and ciphertext, or, with
+sealing off, header and the payload chunks as they are.
+
+The listener side (``FrameServer``: caps, error policy) is ``edgespec.wire.server``'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import select
+import socket
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from edgespec.wire import auth
+from edgespec.wire.auth import AuthError, ClearFrames, FrameSeal
+from edgespec.wire.codec import FieldTag, Message, decode_payload, encode_frame
+from edgespec.wire.header import (
+    DEFAULT_MAX_PAYLOAD,
+    HEADER_SIZE,
+    Flag,
+    FrameHeader,
+    Kind,
+    WireError,
+    decode_header,
+)
+from edgespec.wire.messages import error_message
+
+log = logging.getLogger("edgespec.transport")
+
+#: Seconds a peer has to complete the whole handshake, server side (one deadline, not per read).
+DEFAULT_HANDSHAKE_TIMEOUT = 5.0
+#: Connections still in their handshake: at most this many in total and per source address.
+DEFAULT_MAX_PENDING = 16
+DEFAULT_MAX_PENDING_PER_SOURCE = 4
+#: Authenticated connections a server keeps at once.
+DEFAULT_MAX_CONNECTIONS = 64
+
+
+class TransportError(ConnectionError):
+    """The peer closed the connection, or it broke."""
+
+
+class RemoteError(Exception):
+    """The peer answered a request with an ERROR frame."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+def _set_nodelay(sock: socket.socket) -> None:
+    # Small frames (a token, a commit) must leave at once, not wait for Nagle's coalescing.
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def _until(deadline: float | None, sock: socket.socket) -> None:
+    """Let the next socket call wait at most until ``deadline`` (a ``time.monotonic`` value)."""
+    if deadline is None:
+        return
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("deadline passed")
+    sock.settimeout(left)
+
+
+def _wait_readable(sock: socket.socket, deadline: float) -> None:
+    """Block until ``sock`` has data (or EOF) or ``deadline`` passes (TimeoutError).
+
+    Polling, not ``settimeout``: a socket timeout would also apply to another thread's
+    concurrent ``sendmsg`` on the same connection, and fail it for no reason.
+    """
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("deadline passed")
+    p = select.poll()
+    p.register(sock, select.POLLIN)
+    if not p.poll(left * 1000):
+        raise TimeoutError("deadline passed")
+
+
+def _recv_exact_into(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    got = 0
+    n = view.nbytes
+    while got < n:
+        if deadline is not None:
+            _wait_readable(sock, deadline)
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise TransportError("connection closed by peer" if got == 0 else "connection closed mid-frame")
+        got += k
+
+
+def _sendmsg_all(sock: socket.socket, buffers: Sequence[bytes | memoryview], deadline: float | None = None) -> None:
+    """``sendall`` for a list of buffers (scatter/gather, no joining)."""
+    views = [memoryview(b).cast("B") for b in buffers]
+    views = [v for v in views if v.nbytes]
+    while views:
+        _until(deadline, sock)
+        sent = sock.sendmsg(views)
+        while sent:
+            if sent >= views[0].nbytes:
+                sent -= views[0].nbytes
+                views.pop(0)
+            else:
+                views[0] = views[0][sent:]
+                sent = 0
+
+
+@dataclass
+class Frame:
+    """An authenticated frame as received: header and the decrypted payload buffer.
+
+    ``decode()`` parses the payload on demand (and caches it), so a node that only forwards a
+    frame never decodes its hidden states.
+    """
+
+    header: FrameHeader
+    payload: memoryview
+    _message: Message | None = field(default=None, repr=False)
+
+    @property
+    def kind(self) -> Kind:
+        return self.header.kind
+
+    def decode(self) -> Message:
+        """The payload as a validated ``Message`` (raises WireError if malformed)."""
+        if self._message is None:
+            self._message = decode_payload(self.header, self.payload)
+        return self._message
+
+
+class Connection:
+    """One authenticated connection. Sends are thread-safe; keep a single reader."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        send_seal: FrameSeal | ClearFrames,
+        recv_seal: FrameSeal | ClearFrames,
+        *,
+        local_node: str,
+        peer_node: str,
+        max_payload: int = DEFAULT_MAX_PAYLOAD,
+    ) -> None:
+        self._sock = sock
+        self._send_seal = send_seal
+        self._recv_seal = recv_seal
+        self.sealed = isinstance(send_seal, FrameSeal)
+        self._send_lock = threading.Lock()
+        self._hdr = bytearray(HEADER_SIZE)
+        self._closed = False
+        self._request_ids = itertools.count(1)
+        self.local_node = local_node
+        self.peer_node = peer_node
+        self.max_payload = max_payload
+        try:
+            self.peer_address: tuple[str, int] = sock.getpeername()[:2]
+        except OSError:
+            self.peer_address = ("?", 0)
+
+    def __repr__(self) -> str:
+        return f"Connection({self.local_node!r} <-> {self.peer_node!r} at {self.peer_address[0]}:{self.peer_address[1]})"
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def next_request_id(self) -> int:
+        """A fresh request id for this connection (1, 2, ...)."""
+        return next(self._request_ids) & 0xFFFFFFFF or next(self._request_ids)
+
+    # -- sending -----------------------------------------------------------------------
+
+    def _send_chunks(self, header: FrameHeader, chunks: Iterable[bytes | memoryview]) -> None:
+        chunks = list(chunks)
+        if header.payload_len > self.max_payload:
+            raise WireError(f"payload of {header.payload_len} bytes exceeds the maximum frame size ({self.max_payload})")
+        with self._send_lock:
+            if self._closed:
+                raise TransportError(f"{self!r} is closed")
+            buffers = self._send_seal.seal(header, chunks)
+            try:
+                _sendmsg_all(self._sock, buffers)
+            except OSError as e:
+                raise TransportError(f"send to {self.peer_node} failed: {e}") from e
+
+    def send(self, msg: Message) -> None:
+        """Encode, seal and send a message."""
+        header, chunks = encode_frame(msg)
+        self._send_chunks(header, chunks)
+
+    def forward(
+        self,
+        frame: Frame,
+        *,
+        kind: Kind | None = None,
+        request_id: int | None = None,
+        lap_id: int | None = None,
+        segment_id: int | None = None,
+        flags: int | None = None,
+    ) -> None:
+        """Send a received frame on, unchanged except for the given header fields.
+
+        The payload is not decoded; it is sealed anew under this connection's key (each link
+        has its own session keys), or, unsealed, sent from the same buffer without a copy.
+        """
+        h = frame.header
+        header = FrameHeader(
+            h.kind if kind is None else Kind(kind),
+            h.flags if flags is None else flags,
+            h.request_id if request_id is None else request_id,
+            h.lap_id if lap_id is None else lap_id,
+            h.segment_id if segment_id is None else segment_id,
+            0,
+            frame.payload.nbytes,
+        )
+        if header.kind != h.kind:
+            decode_payload(header, frame.payload)  # the payload must fit the new kind's schema
+        self._send_chunks(header, (frame.payload,))
+
+    def reply_error(self, code: str, message: str, request_id: int = 0) -> None:
+        """Send an ERROR frame, ignoring a connection that is already gone."""
+        with contextlib.suppress(TransportError, OSError):
+            self.send(error_message(code, message, request_id=request_id))
+
+    # -- receiving ---------------------------------------------------------------------
+
+    def recv_frame(self, timeout: float | None = None) -> Frame:
+        """Read one frame, check its sequence number and tag, and decrypt it.
+
+        Raises WireError for an unparseable header, AuthError for a frame that fails to open
+        (forged, altered, replayed, reordered), TransportError when the peer is gone,
+        TimeoutError after ``timeout`` seconds.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            hv = memoryview(self._hdr)
+            _recv_exact_into(self._sock, hv, deadline)
+            header = decode_header(hv, self.max_payload)
+            # Payload and tag in one read: one system call fewer for small frames.
+            body = bytearray(header.payload_len + self._recv_seal.overhead)
+            _recv_exact_into(self._sock, memoryview(body), deadline)
+        except TimeoutError:
+            raise TimeoutError(f"no frame from {self.peer_node} within {timeout} s") from None
+        except OSError as e:
+            if isinstance(e, TransportError):
+                raise
+            raise TransportError(f"receive from {self.peer_node} failed: {e}") from e
+        return Frame(header, self._recv_seal.open(header, hv, body))
+
+    def recv(self, timeout: float | None = None) -> Message:
+        """Read and decode one message."""
+        return self.recv_frame(timeout).decode()
+
+    def request(self, msg: Message, timeout: float | None = 30.0) -> Message:
+        """Send ``msg`` (given a fresh request id if it has none) and wait for its answer.
+
+        Only for connections where the caller is the sole reader. Frames with other request
+        ids are dropped with a log line. An ERROR answer raises RemoteError.
+        """
+        if msg.request_id == 0:
+            msg.request_id = self.next_request_id()
+        msg.flags |= int(Flag.NEEDS_REPLY)
+        self.send(msg)
+        while True:
+            reply = self.recv(timeout)
+            if reply.request_id != msg.request_id:
+                log.warning("%r: dropping unexpected %s (request %d) while waiting for %d", self, reply.kind.name, reply.request_id, msg.request_id)
+                continue
+            if reply.kind == Kind.ERROR:
+                raise RemoteError(str(reply.meta.get("code", "error")), str(reply.meta.get("message", "")))
+            return reply
+
+    def close(self, reason: str | None = None) -> None:
+        """Say goodbye (best effort) and close the socket. Idempotent."""
+        if self._closed:
+            return
+        if reason is not None:
+            with contextlib.suppress(Exception):
+                self.send(Message(Kind.CLOSE, {FieldTag.META: {"reason": reason}}))
+        with self._send_lock:
+            self._closed = True
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+
+    def __enter__(self) -> Connection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close("done")
+
+
+def connect(
+    host: str,
+    port: int,
+    key: bytes,
+    *,
+    node_id: str,
+    timeout: float = 10.0,
+    max_payload: int = DEFAULT_MAX_PAYLOAD,
+    seal: bool | None = None,
+) -> Connection:
+    """Open an authenticated, sealed connection to a ring member (client side).
+
+    ``timeout`` is one deadline for the TCP connect and the whole handshake together: a peer
+    that answers slowly, byte by byte, still fails in time. Raises AuthError (naming
+    ``host:port``) if the server refuses us, cannot prove it holds the ring key, or does not
+    finish the handshake in time; OSError if it cannot be reached. ``seal`` defaults to on
+    unless ``$EDGESPEC_INSECURE_PLAINTEXT`` is set; both ends must agree.
+    """
+    auth._check_key(key)
+    sealed = auth.sealing_enabled() if seal is None else seal
+    where = f"{host}:{port}"
+    deadline = time.monotonic() + timeout
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except TimeoutError:
+        raise TimeoutError(f"connecting to {where} timed out after {timeout:g} s") from None
+    from edgespec.wire.handshake import client_handshake  # here: that module imports this one
+
+    try:
+        send, recv, server_node = client_handshake(sock, key, node_id=node_id, sealed=sealed,
+                                                   deadline=deadline)
+        sock.settimeout(None)
+        return Connection(sock, send, recv, local_node=node_id, peer_node=server_node, max_payload=max_payload)
+    except TimeoutError:
+        sock.close()
+        raise AuthError(f"{where}: handshake timed out after {timeout:g} s") from None
+    except AuthError as e:
+        sock.close()
+        raise AuthError(f"{where}: {e}") from None
+    except (WireError, TransportError, OSError) as e:
+        sock.close()
+        raise AuthError(f"{where}: handshake failed: {e}") from e
+    except BaseException:
+        sock.close()
+        raise
