@@ -22,11 +22,13 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
     StrictBool,
     StrictFloat,
     StrictInt,
     StrictStr,
+    Tag,
     ValidationError,
 )
 
@@ -148,7 +150,23 @@ class NextLocal(_Model):
     stage: StrictInt
 
 
-Link = Literal["head"] | NextLocal | NextNode
+def _link_kind(v: Any) -> str | None:
+    """Which kind of link ``v`` is (a JSON value on the way in, a model on the way out)."""
+    if v == "head":
+        return "head"
+    if isinstance(v, (NextLocal, NextNode)):
+        return "local" if isinstance(v, NextLocal) else "node"
+    if isinstance(v, Mapping):
+        return "local" if "local" in v else "node"
+    return None
+
+
+Link = Annotated[
+    Annotated[Literal["head"], Tag("head")] | Annotated[NextLocal, Tag("local")]
+    | Annotated[NextNode, Tag("node")],
+    Discriminator(_link_kind, custom_error_type="link", custom_error_message=(
+        'a link is "head", {"local", "stage"} or {"host", "port", "stage"}')),
+]
 
 
 class Connect(_HolderRequest):
@@ -298,19 +316,31 @@ def _validated(cls: type[_Model], what: str, fields: Mapping[str, Any]) -> Any:
         raise ControlError(_why(what, e), code) from None
 
 
-def parse_request(meta: Mapping[str, Any], blob: Any = None) -> Request:
-    """The typed request of a CONTROL frame's META (and BLOB); ControlError if malformed."""
+def op_of(meta: Mapping[str, Any]) -> str:
+    """The op a CONTROL frame's META names; ControlError if it names none."""
     op = meta.get("op")
     if not isinstance(op, str):
         raise ControlError("control message needs an 'op' string")
+    return op
+
+
+def parse_as(cls: type[Request], meta: Mapping[str, Any], blob: Any = None) -> Request:
+    """``meta`` (and ``blob``) as the typed request ``cls``; ControlError if malformed."""
+    if cls.blob is True and blob is None:
+        raise ControlError(f"{cls.op}: needs a BLOB field (the data)")
+    if cls.blob is False and blob is not None:
+        raise ControlError(f"{cls.op}: takes no BLOB field")
+    return _validated(cls, cls.op, {k: v for k, v in meta.items() if k != "op"})
+
+
+def parse_request(meta: Mapping[str, Any], blob: Any = None) -> Request:
+    """The typed request of a CONTROL frame's META (and BLOB); ControlError if malformed or
+    not an op of ``REQUESTS`` (code ``unknown_op``)."""
+    op = op_of(meta)
     cls = REQUESTS.get(op)
     if cls is None:
         raise ControlError(f"unknown control op {op!r}", "unknown_op")
-    if cls.blob is True and blob is None:
-        raise ControlError(f"{op}: needs a BLOB field (the data)")
-    if cls.blob is False and blob is not None:
-        raise ControlError(f"{op}: takes no BLOB field")
-    return _validated(cls, op, {k: v for k, v in meta.items() if k != "op"})
+    return parse_as(cls, meta, blob)
 
 
 def make_request(op: str, **fields: Any) -> Request:
