@@ -180,7 +180,7 @@ class _Member:
     def _call(self, op: str, timeout: float, blob: bytes | None,
               body: dict[str, Any]) -> tuple[Message, ctl.Reply]:
         try:
-            msg = ctl.request_message(ctl.make_request(op, **body), blob=blob)
+            msg = ctl.request_message(ctl.make_request(op, blob, **body), blob=blob)
         except ctl.ControlError as e:
             raise RingError(f"{self.name}: {op} not sent: {e}") from None
         msg.request_id = self.conn.next_request_id()

@@ -343,10 +343,10 @@ def parse_request(meta: Mapping[str, Any], blob: Any = None) -> Request:
     return parse_as(cls, meta, blob)
 
 
-def make_request(op: str, **fields: Any) -> Request:
-    """The typed request ``op`` with ``fields`` (the head's side: refuses, before sending,
-    what the node would refuse)."""
-    return parse_request({"op": op, **fields})
+def make_request(op: str, blob: Any = None, **fields: Any) -> Request:
+    """The typed request ``op`` with ``fields``, to travel with ``blob`` (the head's side:
+    refuses, before sending, what the node would refuse)."""
+    return parse_request({"op": op, **fields}, blob)
 
 
 def control_message(op: str, *, request_id: int = 0, blob: bytes | None = None,
