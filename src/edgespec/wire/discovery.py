@@ -13,7 +13,7 @@ A node advertises its address and port plus public facts in TXT fields:
 =========  ==========================================================
 
 Only these keys are ever written (``NodeInfo.txt``), so no secret can leak into mDNS: the ring
-key is proven on the TCP connection (``edgespec.auth``), never announced.
+key is proven on the TCP connection (``edgespec.wire.auth``), never announced.
 """
 
 from __future__ import annotations
