@@ -5,13 +5,16 @@ real node process over a real keyed connection, after which the node keeps servi
 from __future__ import annotations
 
 import pytest
+from tinygguf import make_tiny_gguf
 
+from edgespec.errors import RingError
 from edgespec.local import LocalNodes
 from edgespec.node import Node
-from edgespec.ring import head_identity
+from edgespec.ring import form_ring, head_identity
 from edgespec.wire import FieldTag, Kind, Message, control_message, decode_payload, encode_frame
 from edgespec.wire import control as ctl
 from edgespec.wire.auth import load_key, write_key
+from edgespec.wire.server import FrameServer
 from edgespec.wire.transport import RemoteError, connect
 
 HEAD = head_identity("a test head")
@@ -188,3 +191,20 @@ def test_malformed_requests_are_bad_request_and_the_node_keeps_serving(node):
         assert ctl.parse_reply("unload", reply) == ctl.UnloadReply(unloaded=[])
         health = ctl.parse_reply("health", c.request(control_message("health"), timeout=30))
         assert health.holder is not None and health.holder.id == HEAD["id"]
+
+
+def test_a_malformed_answer_is_one_line_naming_the_node_and_field(tmp_path):
+    """A member whose health answer lacks its node id (an older or foreign build): forming a
+    ring over it fails with one RingError line, not a KeyError deep in the planner."""
+    model = make_tiny_gguf(tmp_path / "m.gguf", "qwen2", n_layer=2, n_embd=32, seed=3)
+    key = load_key(write_key(tmp_path / "ring.key"))
+
+    def answer(conn, frame):
+        return Message(Kind.REPLY, {FieldTag.META: {"ok": True, "name": "odd-box"}})
+
+    with (FrameServer(key, node_id="odd", handlers={Kind.CONTROL: answer}) as srv,
+          pytest.raises(RingError) as exc):
+        form_ring([srv.address], model, key, profile=False)
+    text = str(exc.value)
+    assert "\n" not in text and text.startswith("odd: malformed answer: health answer"), text
+    assert "'node_id'" in text, text

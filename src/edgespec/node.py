@@ -67,7 +67,7 @@ from edgespec.wire.transport import Connection, Frame, TransportError, connect
 log = logging.getLogger("edgespec.node")
 
 #: Control ops that only the head holding this node may send (see the module docstring).
-HOLDER_OPS = frozenset(op for op, r in ctl.REQUESTS.items() if r.holder_op)
+HOLDER_OPS = frozenset(op for op, r in ctl.REQUESTS.items() if issubclass(r, ctl.HolderRequest))
 
 #: Seconds to dial the next node when linking (a node that does not answer fails the link).
 LINK_TIMEOUT_S = 10.0
@@ -197,10 +197,9 @@ class Node:
                          describe_holder(self.holder.body() if self.holder else {}))
                 self.holder, self._holder_conn = None, None
 
-    def _check_holder(self, conn: Connection, req: ctl.Request) -> None:
+    def _check_holder(self, conn: Connection, req: ctl.HolderRequest) -> None:
         """Take the node for the head behind ``conn``, or refuse it (RingBusy semantics:
         the ERROR code is ``busy`` and names the holder)."""
-        assert isinstance(req, ctl._HolderRequest)
         head = req.head or ctl.HeadIdentity(id=f"conn-{id(conn)}", what=f"peer {conn.peer_node}",
                                             pid="?", host=conn.peer_address[0],
                                             since=time.time())
@@ -444,7 +443,7 @@ class Node:
             # The caller's mistake is told first, whoever holds the node.
             for stage in req.links:
                 self._slot(stage)
-        if req.holder_op:
+        if isinstance(req, ctl.HolderRequest):
             try:
                 self._check_holder(conn, req)
             except _Busy as e:

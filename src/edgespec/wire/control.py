@@ -82,12 +82,11 @@ class Request(_Model):
 
     op: ClassVar[str]
     blob: ClassVar[bool | None] = False
-    #: Only the head holding the node may send it (docs/design.md 5.2).
-    holder_op: ClassVar[bool] = False
 
 
-class _HolderRequest(Request):
-    holder_op: ClassVar[bool] = True
+class HolderRequest(Request):
+    """A request only the head holding the node may send (docs/design.md 5.2)."""
+
     head: HeadIdentity | None = None  # None: the node names the holder by its connection
     take_over: StrictBool = False
 
@@ -122,7 +121,7 @@ class Profile(Request):
 Window = tuple[StrictInt, StrictInt, StrictInt, StrictBool]  # stage, first layer, stop, is_last
 
 
-class Load(_HolderRequest):
+class Load(HolderRequest):
     """Load windows, cut from ``model_path`` on the node or from shards sent before."""
 
     op: ClassVar[str] = "load"
@@ -169,22 +168,22 @@ Link = Annotated[
 ]
 
 
-class Connect(_HolderRequest):
+class Connect(HolderRequest):
     """Wire each hosted stage to its successor (``"head"``: the last stage answers the head)."""
 
     op: ClassVar[str] = "connect"
     links: dict[int, Link]
 
 
-class Reset(_HolderRequest):
+class Reset(HolderRequest):
     op: ClassVar[str] = "reset"
 
 
-class Unload(_HolderRequest):
+class Unload(HolderRequest):
     op: ClassVar[str] = "unload"
 
 
-class Shutdown(_HolderRequest):
+class Shutdown(HolderRequest):
     op: ClassVar[str] = "shutdown"
 
 
