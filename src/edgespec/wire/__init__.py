@@ -10,8 +10,8 @@ One concept per module:
 - ``frames``: chain batches and results <-> TOKENS/HIDDEN/RESULT messages.
 - ``control``: typed CONTROL requests and REPLY answers, one model per op.
 - ``auth``: ring key files, key proofs, session keys, frame sealing.
-- ``handshake``: the key-proof handshake on a fresh socket.
-- ``transport``: an authenticated connection (send, receive, request) and ``connect``.
+- ``transport``: the key-proof handshake (``connect``, ``accept_handshake``) and an
+  authenticated connection (send, receive, request).
 - ``server``: ``FrameServer``, the listener that dispatches frames by kind.
 - ``transfer``: resumable, verified shard upload over control messages.
 - ``discovery``: mDNS advertise / browse of nodes.

@@ -27,7 +27,6 @@ from collections.abc import Callable
 from edgespec.wire import auth
 from edgespec.wire.auth import AuthError
 from edgespec.wire.codec import Message
-from edgespec.wire.handshake import accept_handshake
 from edgespec.wire.header import DEFAULT_MAX_PAYLOAD, Kind, WireError
 from edgespec.wire.transport import (
     DEFAULT_HANDSHAKE_TIMEOUT,
@@ -38,6 +37,7 @@ from edgespec.wire.transport import (
     Frame,
     RemoteError,
     TransportError,
+    accept_handshake,
 )
 
 # The same logger as the client side: one name for the transport in logs.
