@@ -37,9 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cryptography  # noqa: E402
 
 from edgespec import wire  # noqa: E402
-from edgespec.auth import SessionKeys  # noqa: E402
-from edgespec.transport import Connection, FrameServer, connect  # noqa: E402
 from edgespec.wire import HEADER_SIZE, TAG_SIZE, FieldTag, Kind, hidden_message, seq_matrix  # noqa: E402
+from edgespec.wire.auth import SessionKeys  # noqa: E402
+from edgespec.wire.server import FrameServer  # noqa: E402
+from edgespec.wire.transport import Connection, connect  # noqa: E402
 
 KEY = os.urandom(32)
 HOPS = 4  # head -> s0 -> s1 -> s2 -> head

@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from edgespec import auth
-from edgespec.auth import AuthError, KeyFileError, SessionKeys
-from edgespec.wire import FrameHeader, Kind, decode_header
+from edgespec.wire import FrameHeader, Kind, auth, decode_header
+from edgespec.wire.auth import AuthError, KeyFileError, SessionKeys
 
 
 def test_keygen_writes_private_key_and_refuses_to_overwrite(tmp_path: Path) -> None:

@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 from netns import NetnsLab, skip_reason
 
-from edgespec import auth
-from edgespec.discovery import TXT_KEYS, NodeInfo, _service_info
-from edgespec.wire import PROTOCOL_VERSION
+from edgespec.wire import PROTOCOL_VERSION, auth
+from edgespec.wire.discovery import TXT_KEYS, NodeInfo, _service_info
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -23,12 +22,13 @@ REPO = Path(__file__).resolve().parents[1]
 NODE_SCRIPT = textwrap.dedent(
     """
     import logging, signal, sys, threading
-    from edgespec import auth, discovery, transport, wire
+    from edgespec import wire
+    from edgespec.wire import auth, discovery, server, transport
     from edgespec.nodeinfo import describe_this_node
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     name, addr, keyfile = sys.argv[1:4]
     key = auth.load_key(keyfile)
-    srv = transport.FrameServer(key, node_id=name, host=addr)
+    srv = server.FrameServer(key, node_id=name, host=addr)
     srv.register(wire.Kind.CONTROL, lambda conn, frame: wire.Message(
         wire.Kind.REPLY, {wire.FieldTag.META: {"op": frame.decode().meta["op"], "node": name}}))
     srv.start()
@@ -48,7 +48,8 @@ NODE_SCRIPT = textwrap.dedent(
 HEAD_SCRIPT = textwrap.dedent(
     """
     import json, sys
-    from edgespec import auth, discovery, transport, wire
+    from edgespec import wire
+    from edgespec.wire import auth, discovery, transport
     keyfile, wrongfile, expect = sys.argv[1], sys.argv[2], int(sys.argv[3])
     key, wrong = auth.load_key(keyfile), auth.load_key(wrongfile)
     nodes = discovery.browse(timeout=30, expect=expect)
@@ -137,7 +138,7 @@ def test_nodes_found_over_mdns_across_namespaces(tmp_path: Path) -> None:
 
         # After the goodbyes nobody answers any more.
         head2 = hosts["head"].run(
-            [sys.executable, "-c", "from edgespec import discovery; print(len(discovery.browse(timeout=3)))"],
+            [sys.executable, "-c", "from edgespec.wire import discovery; print(len(discovery.browse(timeout=3)))"],
             env=_env(),
             cwd=REPO,
             timeout=60,
@@ -166,7 +167,7 @@ def test_txt_record_drops_fingerprints_that_do_not_fit() -> None:
 
 
 def test_bad_names_and_ports_are_refused() -> None:
-    from edgespec.discovery import DiscoveryError
+    from edgespec.wire.discovery import DiscoveryError
 
     with pytest.raises(DiscoveryError, match="name"):
         _service_info(NodeInfo(name="a.b", node_id="x", port=1), ["10.0.0.1"])

@@ -11,16 +11,16 @@ import pytest
 from tinygguf import make_tiny_gguf
 
 from edgespec.api import Ring
-from edgespec.auth import load_key, write_key
 from edgespec.chain import Batch
-from edgespec.frames import batch_message
 from edgespec.llm.llamacpp import load_model
 from edgespec.llm.tokenizer import Tokenizer
 from edgespec.local import LocalNodes
 from edgespec.ring import form_ring
-from edgespec.transport import TransportError, connect
 from edgespec.tree.kvop import KvOp
 from edgespec.wire import FieldTag, Kind, Message, control_message, encode_frame
+from edgespec.wire.auth import load_key, write_key
+from edgespec.wire.frames import batch_message
+from edgespec.wire.transport import TransportError, connect
 
 FRAMES_PER_HANDLER = 10_000
 

@@ -29,10 +29,10 @@ from ring_fixtures import unsplit_greedy
 from test_node import REPO, NodeProc, _cli, _env, _health
 from tinygguf import make_tiny_gguf
 
-from edgespec import auth
 from edgespec.api import Ring
 from edgespec.errors import RequestError, StageFailure
 from edgespec.ring import _head_for, form_ring, head_identity
+from edgespec.wire import auth
 
 N = 16
 

@@ -15,8 +15,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ is not an installed package
 
 from bench.linkemu import LinkEmulatorThread, LinkSpec, emulated_links  # noqa: E402
-from edgespec.transport import FrameServer, connect  # noqa: E402
 from edgespec.wire import FieldTag, Kind, Message, hidden_message, seq_matrix  # noqa: E402
+from edgespec.wire.server import FrameServer  # noqa: E402
+from edgespec.wire.transport import connect  # noqa: E402
 
 KEY = bytes(range(32))
 

@@ -26,16 +26,15 @@ import pytest
 from ring_fixtures import unsplit_greedy
 from tinygguf import make_tiny_gguf
 
-from edgespec import auth
 from edgespec.api import Ring
 from edgespec.chain import Batch
-from edgespec.frames import batch_message
 from edgespec.llm.gguf_read import fingerprint
 from edgespec.planner import NodeProfile, PlanError, plan_ring
 from edgespec.ring import RingError, _head_for, form_ring, pick_address
-from edgespec.transport import RemoteError, TransportError, connect
 from edgespec.tree.kvop import KvOp, KvOpCode
-from edgespec.wire import FieldTag, Kind, Message, control_message, encode_frame
+from edgespec.wire import FieldTag, Kind, Message, auth, control_message, encode_frame
+from edgespec.wire.frames import batch_message
+from edgespec.wire.transport import RemoteError, TransportError, connect
 
 REPO = Path(__file__).resolve().parents[1]
 N_TOKENS = 24

@@ -24,7 +24,7 @@ import pytest
 from netns import SUBNET_PREFIX, Host, NetnsLab, skip_reason
 from ring_fixtures import unsplit_greedy
 
-from edgespec import auth
+from edgespec.wire import auth
 
 pytestmark = [pytest.mark.netns, pytest.mark.real_model]
 
@@ -50,7 +50,8 @@ HEAD_SCRIPT = textwrap.dedent(
 HEALTH_SCRIPT = textwrap.dedent(
     """
     import json, sys
-    from edgespec import auth, transport, wire
+    from edgespec import wire
+    from edgespec.wire import auth, transport
     key, port = auth.load_key(sys.argv[1]), int(sys.argv[2])
     out = {}
     for addr in sys.argv[3:]:
@@ -194,7 +195,7 @@ def test_ring_over_mdns_across_namespaces(netns_ok, real_model_path, tmp_path: P
 FAKE_SCRIPT = textwrap.dedent(
     """
     import socket, sys, threading, time
-    from edgespec.discovery import advertise
+    from edgespec.wire.discovery import advertise
     from edgespec.nodeinfo import describe_this_node
     addr, port = sys.argv[1], int(sys.argv[2])
     srv = socket.socket(); srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from edgespec.auth import load_key, write_key
-from edgespec.transfer import ShardStore, TransferError, handle, send_shard
-from edgespec.transport import FrameServer, RemoteError, connect
 from edgespec.wire import FieldTag, Kind, Message, control_message
+from edgespec.wire.auth import load_key, write_key
+from edgespec.wire.server import FrameServer
+from edgespec.wire.transfer import ShardStore, TransferError, handle, send_shard
+from edgespec.wire.transport import RemoteError, connect
 
 
 @pytest.fixture

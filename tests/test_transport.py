@@ -11,8 +11,6 @@ import numpy as np
 import pytest
 
 from edgespec import wire
-from edgespec.auth import AuthError
-from edgespec.transport import Connection, Frame, FrameServer, RemoteError, TransportError, connect
 from edgespec.wire import (
     FieldTag,
     FrameHeader,
@@ -22,6 +20,9 @@ from edgespec.wire import (
     seq_matrix,
     tokens_message,
 )
+from edgespec.wire.auth import AuthError
+from edgespec.wire.server import FrameServer
+from edgespec.wire.transport import Connection, Frame, RemoteError, TransportError, connect
 
 KEY = bytes(range(32))
 WRONG = bytes(range(1, 33))
@@ -115,7 +116,7 @@ def test_wrong_key_is_refused_with_clear_log_and_others_keep_working(server: Fra
 def test_client_refuses_server_without_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
     """A rogue server that waves every HELLO through still cannot produce the proof."""
     with FrameServer(WRONG, node_id="rogue") as rogue:
-        import edgespec.auth as auth_mod
+        import edgespec.wire.auth as auth_mod
 
         monkeypatch.setattr(auth_mod, "verify_hello_tag", lambda *a: True)
         with pytest.raises(AuthError, match="could not prove"):

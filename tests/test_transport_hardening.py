@@ -16,10 +16,11 @@ import time
 import numpy as np
 import pytest
 
-from edgespec import auth, wire
-from edgespec.auth import AuthError
-from edgespec.transport import Connection, Frame, FrameServer, TransportError, connect
-from edgespec.wire import FieldTag, Kind, Message, seq_matrix, tokens_message
+from edgespec import wire
+from edgespec.wire import FieldTag, Kind, Message, auth, seq_matrix, tokens_message
+from edgespec.wire.auth import AuthError
+from edgespec.wire.server import FrameServer
+from edgespec.wire.transport import Connection, Frame, TransportError, connect
 
 KEY = bytes(range(32))
 WRONG = bytes(range(1, 33))
@@ -175,7 +176,8 @@ CHILD = textwrap.dedent(
     """
     import logging, os, resource, sys, time
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s %(message)s")
-    from edgespec.transport import FrameServer, connect
+    from edgespec.wire.server import FrameServer
+    from edgespec.wire.transport import connect
     from edgespec.wire import FieldTag, Kind, Message, control_message
     key = bytes(range(32))
     srv = FrameServer(key, node_id="low-fd", handshake_timeout=2.0)

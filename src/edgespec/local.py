@@ -129,13 +129,13 @@ def open_local_ring(cls, model: str | os.PathLike[str], stages: int, *, draft=No
     nodes = None
     try:
         if processes:
-            from edgespec.auth import write_key
             from edgespec.ring import form_ring, head_identity, reform_ring
+            from edgespec.wire.auth import write_key
 
             tmp = tempfile.TemporaryDirectory(prefix="edgespec-local-")
             cleanup.append(tmp.cleanup)
             key_file = write_key(Path(tmp.name) / "ring.key")
-            from edgespec.auth import load_key
+            from edgespec.wire.auth import load_key
 
             key = load_key(key_file)
             nodes = LocalNodes(stages // rounds if rounds > 1 else stages, key_file,

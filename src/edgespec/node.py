@@ -1,11 +1,13 @@
 """`edgespec node`: the daemon on each device. Hosts stage windows, advertises itself over mDNS,
 and moves batches along the ring.
 
-Frames a node handles (all over authenticated connections, see ``edgespec.transport``):
+Frames a node handles (all over authenticated connections, see ``edgespec.wire.transport``):
 
 - CONTROL ``{"op": ...}``: ``ping`` (heartbeat: answered at once, no probes), ``health``,
   ``profile``, ``load``, ``connect``, ``reset``, ``unload``, ``shard_*`` (shard upload),
-  ``echo`` (bandwidth probe), ``shutdown``.
+  ``echo`` (bandwidth probe), ``shutdown``. Each is a typed request
+  (``edgespec.wire.control``), served by the handler ``Node.CONTROL`` names for it; a
+  malformed one is answered ``bad_request`` naming the field and reaches no handler.
 
 One head at a time: the ops that change what the node holds or where it sends (``load``,
 ``connect``, ``reset``, ``unload``, ``shutdown``) are taken only from the head that holds the
@@ -37,17 +39,16 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
-from edgespec import __version__, transfer
+from edgespec import __version__
 from edgespec.chain import StageWorker
-from edgespec.frames import batch_message, message_batch, result_message
 from edgespec.nodeinfo import describe_holder
-from edgespec.transport import Connection, Frame, FrameServer, TransportError, connect
 from edgespec.tree.kvop import KvOp
 from edgespec.wire import (
     PROTOCOL_VERSION,
@@ -57,15 +58,17 @@ from edgespec.wire import (
     WireError,
     error_message,
     kv_ops_list,
+    transfer,
 )
+from edgespec.wire import control as ctl
+from edgespec.wire.frames import batch_message, message_batch, result_message
+from edgespec.wire.server import FrameServer
+from edgespec.wire.transport import Connection, Frame, TransportError, connect
 
 log = logging.getLogger("edgespec.node")
 
-#: Largest batch the profile op times (a tree lap's batch is at most the tree budget).
-PROFILE_MAX_BATCH = 256
-
 #: Control ops that only the head holding this node may send (see the module docstring).
-HOLDER_OPS = frozenset({"load", "connect", "reset", "unload", "shutdown"})
+HOLDER_OPS = frozenset(op for op, r in ctl.REQUESTS.items() if issubclass(r, ctl.HolderRequest))
 
 #: Seconds to dial the next node when linking (a node that does not answer fails the link).
 LINK_TIMEOUT_S = 10.0
@@ -133,7 +136,7 @@ class Node:
         self._lock = threading.RLock()
         self._stop = threading.Event()
         # The head holding this node (see HOLDER_OPS) and its connection.
-        self.holder: dict | None = None
+        self.holder: ctl.HeadIdentity | None = None
         self._holder_conn: Connection | None = None
         if node_id is None:
             # One id per node process, stable across restarts on the same port: several
@@ -191,34 +194,34 @@ class Node:
                 if slot.head_conn is conn:
                     slot.head_conn = None
             if conn is self._holder_conn:
-                log.info("%s: released by %s", self.name, describe_holder(self.holder or {}))
+                log.info("%s: released by %s", self.name,
+                         describe_holder(self.holder.body() if self.holder else {}))
                 self.holder, self._holder_conn = None, None
 
-    def _check_holder(self, conn: Connection, meta: dict) -> None:
+    def _check_holder(self, conn: Connection, req: ctl.HolderRequest) -> None:
         """Take the node for the head behind ``conn``, or refuse it (RingBusy semantics:
         the ERROR code is ``busy`` and names the holder)."""
-        head = meta.get("head")
-        if not isinstance(head, dict) or not isinstance(head.get("id"), str):
-            head = {"id": f"conn-{id(conn)}", "what": f"peer {conn.peer_node}", "pid": "?",
-                    "host": conn.peer_address[0], "since": time.time()}
+        head = req.head or ctl.HeadIdentity(id=f"conn-{id(conn)}", what=f"peer {conn.peer_node}",
+                                            pid="?", host=conn.peer_address[0],
+                                            since=time.time())
         with self._lock:
             cur, cur_conn = self.holder, self._holder_conn
             if (cur is not None and cur_conn is not None and not cur_conn.closed
-                    and cur_conn is not conn and cur.get("id") != head["id"]):
-                if not meta.get("take_over"):
-                    raise _Busy(f"{self.name} is held by {describe_holder(cur)}; stop it, go "
-                                f"through it (`edgespec chat --server URL` for a running serve), "
-                                f"or pass --take-over to take the ring on purpose")
-                log.warning("%s: %s takes over from %s", self.name, describe_holder(head),
-                            describe_holder(cur))
+                    and cur_conn is not conn and cur.id != head.id):
+                if not req.take_over:
+                    raise _Busy(f"{self.name} is held by {describe_holder(cur.body())}; stop "
+                                f"it, go through it (`edgespec chat --server URL` for a running "
+                                f"serve), or pass --take-over to take the ring on purpose")
+                log.warning("%s: %s takes over from %s", self.name, describe_holder(head.body()),
+                            describe_holder(cur.body()))
                 with contextlib.suppress(Exception):
                     cur_conn.send(error_message("taken_over", f"{self.name} was taken over by "
-                                                              f"{describe_holder(head)}"))
+                                                              f"{describe_holder(head.body())}"))
                 threading.Thread(target=cur_conn.close, args=("taken over",),
                                  daemon=True).start()
-            elif cur is None or cur.get("id") != head["id"]:
-                log.info("%s: held by %s", self.name, describe_holder(head))
-            self.holder = {k: head.get(k) for k in ("id", "pid", "host", "what", "since")}
+            elif cur is None or cur.id != head.id:
+                log.info("%s: held by %s", self.name, describe_holder(head.body()))
+            self.holder = head
             self._holder_conn = conn
 
     # ------------------------------------------------------------------ data path
@@ -419,42 +422,49 @@ class Node:
 
     # ------------------------------------------------------------------ control
 
+    # ------------------------------------------------------------------ control
+
     def _on_control(self, conn: Connection, frame: Frame) -> Message:
         msg = frame.decode()
-        op = str(msg.meta.get("op", ""))
-        handler = getattr(self, f"_op_{op}", None)
-        if handler is None:
-            return error_message("unknown_op", f"unknown control op {op!r}")
-        if op == "connect":
+        blob = msg.fields.get(FieldTag.BLOB)
+        try:
+            op = ctl.op_of(msg.meta)
+            if op not in self.CONTROL:
+                raise ctl.ControlError(f"unknown control op {op!r}", "unknown_op")
+            kind, handler = self.CONTROL[op]
+            req = ctl.parse_as(kind, msg.meta, blob)
+        except ctl.ControlError as e:
+            # Answered, never raised: a malformed request is the sender's mistake, not a
+            # failure of this node (docs/design.md 5.6).
+            self.server.errors += 1
+            log.warning("%s: refused a control message from %s: %s", self.name,
+                        conn.peer_node, e)
+            return error_message(e.code, str(e))
+        if isinstance(req, ctl.Connect):
             # The caller's mistake is told first, whoever holds the node.
-            links = msg.meta.get("links")
-            if not isinstance(links, dict):
-                raise WireError("connect: 'links' must be an object {stage: link}")
-            for stage_s in links:
-                self._slot(int(stage_s))
-        if op in HOLDER_OPS:
+            for stage in req.links:
+                self._slot(stage)
+        if isinstance(req, ctl.HolderRequest):
             try:
-                self._check_holder(conn, msg.meta)
+                self._check_holder(conn, req)
             except _Busy as e:
                 log.warning("%s: refused %s from %s: %s", self.name, op, conn.peer_node, e)
                 return error_message("busy", str(e))
-        body = handler(conn, msg.meta, msg.fields.get(FieldTag.BLOB)) or {}
-        blob = body.pop("_blob", None)
-        fields: dict[FieldTag, Any] = {FieldTag.META: {"ok": True, **body}}
-        if blob is not None:
-            fields[FieldTag.BLOB] = blob
-        return Message(Kind.REPLY, fields)
+        reply = handler(self, conn, req, blob)
+        if isinstance(reply, tuple):
+            return ctl.reply_message(reply[0], blob=reply[1])
+        return ctl.reply_message(reply)
 
-    def _op_ping(self, conn: Connection, meta: dict, blob: Any) -> dict:
+    def _op_ping(self, conn: Connection, req: ctl.Ping, blob: Any) -> ctl.Done:
         """The heartbeat: answered at once, never waiting on a probe (nvidia-smi, /proc)."""
-        return {}
+        return ctl.Done()
 
-    def _op_health(self, conn: Connection, meta: dict, blob: Any) -> dict:
+    def _op_health(self, conn: Connection, req: ctl.Health, blob: Any) -> ctl.HealthReply:
         from edgespec.nodeinfo import detect_backend, free_ram_bytes, free_vram_bytes
 
         with self._lock:
             slots = list(self.slots.values())
-            holder = dict(self.holder) if self.holder else None
+            holder = self.holder
         stages = {}
         for s in slots:
             if s.is_last:
@@ -466,78 +476,64 @@ class Node:
                 link = f"{host}:{port}"
             else:
                 link = "none"
-            stages[str(s.stage)] = {"range": list(s.layer_range), "batches": s.batches,
-                                    "busy_s": round(s.busy_s, 3), "queued": s.inbox.qsize(),
-                                    "next": link, "next_stage": s.next_stage,
-                                    "is_last": s.is_last}
-        return {
-            "node_id": self.node_id, "name": self.name, "version": __version__,
-            "proto": PROTOCOL_VERSION, "backend": detect_backend(),
-            "free_ram": free_ram_bytes(), "free_vram": free_vram_bytes(),
-            "rss": _rss_bytes(), "holder": holder, "stages": stages, "time": time.time(),
-        }
+            stages[s.stage] = ctl.StageHealth(
+                range=s.layer_range, batches=s.batches, busy_s=round(s.busy_s, 3),
+                queued=s.inbox.qsize(), next=link, next_stage=s.next_stage, is_last=s.is_last)
+        return ctl.HealthReply(
+            node_id=self.node_id, name=self.name, version=__version__, proto=PROTOCOL_VERSION,
+            backend=detect_backend(), free_ram=free_ram_bytes(), free_vram=free_vram_bytes(),
+            rss=_rss_bytes(), holder=holder, stages=stages, time=time.time())
 
-    def _op_echo(self, conn: Connection, meta: dict, blob: Any) -> dict:
-        return {"_blob": bytes(blob) if blob is not None else None}
+    def _op_echo(self, conn: Connection, req: ctl.Echo, blob: Any) -> tuple[ctl.Done, Any]:
+        return ctl.Done(), bytes(blob) if blob is not None else None
 
-    def _resolve_model(self, meta: dict) -> Path:
+    def _resolve_model(self, model_path: str, want_fp: str | None) -> Path:
         from edgespec.llm.gguf_read import fingerprint
 
-        path = Path(str(meta.get("model_path", "")))
-        want_fp = meta.get("fingerprint")
+        path = Path(model_path)
         if path.is_file():
             if want_fp and fingerprint(path) != want_fp:
                 raise ValueError(f"{path} on {self.name} is another model (fingerprint mismatch)")
             return path
         raise FileNotFoundError(f"model {path} is not on node {self.name}; send its shards")
 
-    def _op_profile(self, conn: Connection, meta: dict, blob: Any) -> dict:
+    def _op_profile(self, conn: Connection, req: ctl.Profile, blob: Any) -> ctl.ProfileReply:
         from edgespec.profile import profile_layers
 
-        sizes = meta.get("batch_sizes", (1, 4, 16))
-        # Bounded: a profile context holds 2 x the largest batch; a typo must not ask for GBs.
-        if (not isinstance(sizes, (list, tuple)) or not sizes
-                or not all(isinstance(b, int) and 1 <= b <= PROFILE_MAX_BATCH for b in sizes)):
-            raise WireError(f"profile: batch_sizes must be a non-empty list of integers in "
-                            f"1..{PROFILE_MAX_BATCH}, got {sizes!r}")
-        model = self._resolve_model(meta)
-        return profile_layers(model, cache_dir=self.cache_dir / "shards",
-                              n_threads=self.n_threads, n_gpu_layers=self.n_gpu_layers,
-                              batch_sizes=tuple(int(b) for b in sizes))
+        model = self._resolve_model(req.model_path, req.fingerprint)
+        return ctl.ProfileReply.model_validate(profile_layers(
+            model, cache_dir=self.cache_dir / "shards", n_threads=self.n_threads,
+            n_gpu_layers=self.n_gpu_layers, batch_sizes=tuple(req.batch_sizes)))
 
-    def _op_load(self, conn: Connection, meta: dict, blob: Any) -> dict:
-        """Load windows: {"model_path", "fingerprint", "windows": [[stage, a, b, is_last]],
-        "n_ctx", "n_seq_max", "encoding"}."""
+    def _op_load(self, conn: Connection, req: ctl.Load, blob: Any) -> ctl.LoadReply:
+        """Load windows [stage, first layer, stop, is_last] (``edgespec.wire.control.Load``)."""
         from edgespec.llm.shards import cut_window, shard_file_name
         from edgespec.stage import StageRuntime
 
-        sent = {int(k): Path(v) for k, v in (meta.get("shard_paths") or {}).items()}
-        fp = str(meta.get("fingerprint", ""))
+        sent = {stage: Path(p) for stage, p in (req.shard_paths or {}).items()}
+        fp = req.fingerprint
         model = None
-        if len(sent) < len(meta["windows"]):
+        if len(sent) < len(req.windows):
             try:
-                model = self._resolve_model(meta)
+                model = self._resolve_model(req.model_path, fp)
             except FileNotFoundError:
                 # The head will cut the windows from its copy and send them (resumable).
-                return {"need_shards": True}
+                return ctl.LoadReply(need_shards=True)
         self._unload()
         loaded = []
-        for stage, a, b, is_last in meta["windows"]:
-            if int(stage) in sent:
-                path = sent[int(stage)]
+        for stage, a, b, is_last in req.windows:
+            if stage in sent:
+                path = sent[stage]
                 if not path.resolve().is_relative_to(self.shards.root.resolve()):
                     raise ValueError(f"shard path {path} is outside this node's shard store")
             else:
                 assert model is not None
                 shard_dir = self.cache_dir / "shards"
-                path = cut_window(model, (int(a), int(b)),
-                                  shard_dir / shard_file_name(a, b, fp, model.stem))
-            rt = StageRuntime(path, n_ctx=int(meta.get("n_ctx", 4096)),
-                              n_seq_max=int(meta.get("n_seq_max", 256)),
+                path = cut_window(model, (a, b), shard_dir / shard_file_name(a, b, fp, model.stem))
+            rt = StageRuntime(path, n_ctx=req.n_ctx, n_seq_max=req.n_seq_max,
                               n_threads=self.n_threads, n_gpu_layers=self.n_gpu_layers,
                               expect_fingerprint=fp or None)
-            slot = StageSlot(int(stage), (int(a), int(b)), rt, bool(is_last),
-                             encoding=str(meta.get("encoding", "f32")))
+            slot = StageSlot(stage, (a, b), rt, is_last, encoding=req.encoding)
             slot.thread = threading.Thread(target=self._run_slot, args=(slot,),
                                            name=f"edgespec-stage-{stage}", daemon=True)
             slot.thread.start()
@@ -547,23 +543,23 @@ class Node:
         log.info("%s: loaded %s", self.name, ", ".join(
             f"stage {s} (layers {self.slots[s].layer_range[0]}-{self.slots[s].layer_range[1] - 1})"
             for s in loaded) or "nothing")
-        return {"stages": loaded}
+        return ctl.LoadReply(stages=loaded)
 
-    def _op_connect(self, conn: Connection, meta: dict, blob: Any) -> dict:
-        """Wire each hosted stage to its successor: {"links": {stage: {"host", "port",
-        "stage"} | {"local": stage} | "head"}}. Results and errors go to this connection."""
+    def _op_connect(self, conn: Connection, req: ctl.Connect, blob: Any) -> ctl.ConnectReply:
+        """Wire each hosted stage to its successor (``edgespec.wire.control.Connect``).
+        Results and errors go to this connection."""
         fresh: dict[tuple[str, int], Connection] = {}
-        for stage_s, link in meta["links"].items():
-            slot = self._slot(int(stage_s))
+        for stage, link in req.links.items():
+            slot = self._slot(stage)
             slot.head_conn = conn
             slot.next_local, slot.next_conn = None, None
             if link == "head":
                 continue
-            slot.next_stage = int(link["stage"])
-            if "local" in link:
-                slot.next_local = self._slot(int(link["local"]))
+            slot.next_stage = link.stage
+            if isinstance(link, ctl.NextLocal):
+                slot.next_local = self._slot(link.local)
                 continue
-            addr = (str(link["host"]), int(link["port"]))
+            addr = (link.host, link.port)
             out = fresh.get(addr)
             if out is None:
                 # Linking (or re-linking) dials afresh: an old link may lead to a node process
@@ -588,29 +584,44 @@ class Node:
             slot.next_conn = out
         for slot in self.slots.values():
             slot.head_conn = conn
-        return {"connected": sorted(self.slots)}
+        return ctl.ConnectReply(connected=sorted(self.slots))
 
-    def _op_reset(self, conn: Connection, meta: dict, blob: Any) -> dict:
+    def _op_reset(self, conn: Connection, req: ctl.Reset, blob: Any) -> ctl.Done:
         for slot in self.slots.values():
             slot.inbox.put(("kv", KvOp.clear(), 0))
-        return {}
+        return ctl.Done()
 
-    def _op_shard_status(self, conn: Connection, meta: dict, blob: Any) -> dict:
-        return transfer.handle(self.shards, meta, blob)
+    def _op_shard(self, conn: Connection, req: ctl.ShardStatus | ctl.ShardChunk | ctl.ShardFinish,
+                  blob: Any) -> ctl.Reply:
+        return ctl.REPLIES[req.op].model_validate(transfer.handle(self.shards, req, blob))
 
-    _op_shard_chunk = _op_shard_status
-    _op_shard_finish = _op_shard_status
-
-    def _op_unload(self, conn: Connection, meta: dict, blob: Any) -> dict:
+    def _op_unload(self, conn: Connection, req: ctl.Unload, blob: Any) -> ctl.UnloadReply:
         had = sorted(self.slots)
         self._unload()
         if had:
             log.info("%s: unloaded stage(s) %s", self.name, ", ".join(map(str, had)))
-        return {"unloaded": had}
+        return ctl.UnloadReply(unloaded=had)
 
-    def _op_shutdown(self, conn: Connection, meta: dict, blob: Any) -> dict:
+    def _op_shutdown(self, conn: Connection, req: ctl.Shutdown, blob: Any) -> ctl.Done:
         threading.Timer(0.2, self._stop.set).start()
-        return {}
+        return ctl.Done()
+
+    #: Every control op this node serves: op -> (its request type, its handler). Nothing
+    #: else is served; the request is parsed as that type before the handler sees it.
+    CONTROL: ClassVar[dict[str, tuple[type[ctl.Request], Callable[..., Any]]]] = {
+        "ping": (ctl.Ping, _op_ping),
+        "health": (ctl.Health, _op_health),
+        "echo": (ctl.Echo, _op_echo),
+        "profile": (ctl.Profile, _op_profile),
+        "load": (ctl.Load, _op_load),
+        "connect": (ctl.Connect, _op_connect),
+        "reset": (ctl.Reset, _op_reset),
+        "unload": (ctl.Unload, _op_unload),
+        "shutdown": (ctl.Shutdown, _op_shutdown),
+        "shard_status": (ctl.ShardStatus, _op_shard),
+        "shard_chunk": (ctl.ShardChunk, _op_shard),
+        "shard_finish": (ctl.ShardFinish, _op_shard),
+    }
 
     def _unload(self) -> None:
         with self._lock:
@@ -648,7 +659,7 @@ def advertised_addresses(bind: str) -> list[str]:
     which would send the head to itself. With no LAN interface at all (a host with only
     loopback) the node is advertised on 127.0.0.1, so a head on the same host still finds it.
     """
-    from edgespec.discovery import local_addresses
+    from edgespec.wire.discovery import local_addresses
 
     if bind not in ("0.0.0.0", "::", ""):
         return [bind]
@@ -679,9 +690,9 @@ def die_with_parent() -> None:
 
 
 def run_node_command(args: argparse.Namespace) -> int:
-    from edgespec.auth import load_key
-    from edgespec.discovery import advertise
     from edgespec.nodeinfo import describe_this_node
+    from edgespec.wire.auth import load_key
+    from edgespec.wire.discovery import advertise
 
     die_with_parent()
     key = load_key(args.key_file)

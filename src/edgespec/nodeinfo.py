@@ -150,7 +150,7 @@ def describe_this_node(
     backend: str | None = None,
 ):
     """The ``discovery.NodeInfo`` this machine advertises right now."""
-    from edgespec.discovery import NodeInfo
+    from edgespec.wire.discovery import NodeInfo
 
     vram = free_vram_bytes()
     return NodeInfo(

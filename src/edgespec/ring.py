@@ -33,14 +33,15 @@ from typing import Any
 
 import numpy as np
 
-from edgespec.auth import AuthError
 from edgespec.chain import Batch, Result
 from edgespec.errors import NodeLost, RingBusy, RingError, StageFailure
-from edgespec.frames import batch_message, message_result
 from edgespec.planner import NodeProfile, Plan, PlanError, model_memory, plan_ring
-from edgespec.transport import Connection, TransportError, connect
 from edgespec.tree.kvop import KvOp
-from edgespec.wire import FieldTag, Kind, Message, control_message
+from edgespec.wire import FieldTag, Kind, Message
+from edgespec.wire import control as ctl
+from edgespec.wire.auth import AuthError
+from edgespec.wire.frames import batch_message, message_result
+from edgespec.wire.transport import Connection, TransportError, connect
 
 log = logging.getLogger("edgespec.ring")
 
@@ -167,7 +168,22 @@ class _Member:
 
     def request(self, op: str, timeout: float = 600.0, blob: bytes | None = None,
                 **body: Any) -> Message:
-        msg = control_message(op, blob=blob, **body)
+        """Send the control request ``op`` (checked against its type first: the head never
+        sends what a node would refuse) and return the node's REPLY, checked against the
+        op's answer type (``edgespec.wire.control``)."""
+        return self._call(op, timeout, blob, body)[0]
+
+    def ask(self, op: str, timeout: float = 600.0, blob: bytes | None = None,
+            **body: Any) -> Any:
+        """``request``, returning the typed answer (e.g. ``ctl.HealthReply``)."""
+        return self._call(op, timeout, blob, body)[1]
+
+    def _call(self, op: str, timeout: float, blob: bytes | None,
+              body: dict[str, Any]) -> tuple[Message, ctl.Reply]:
+        try:
+            msg = ctl.request_message(ctl.make_request(op, blob, **body), blob=blob)
+        except ctl.ControlError as e:
+            raise RingError(f"{self.name}: {op} not sent: {e}") from None
         msg.request_id = self.conn.next_request_id()
         q: queue.Queue = queue.Queue()
         with self.lock:
@@ -189,7 +205,10 @@ class _Member:
         if reply.kind == Kind.ERROR:
             raise _node_error(self.name, op, str(reply.meta.get("code")),
                               str(reply.meta.get("message")))
-        return reply
+        try:
+            return reply, ctl.parse_reply(op, reply)
+        except ctl.ControlError as e:
+            raise RingError(f"{self.name}: malformed answer: {e}") from None
 
     def close(self) -> None:
         self.conn.close("head leaving")
@@ -319,12 +338,12 @@ def _connect_members(addresses: Sequence[Address], key: bytes, head_id: str,
     return members
 
 
-def _holder_of(health: dict, head: dict | None) -> dict | None:
+def _holder_of(health: ctl.HealthReply, head: dict | None) -> dict | None:
     """The other head holding a node, from its health answer (None if free or ours)."""
-    holder = health.get("holder")
-    if not isinstance(holder, dict) or (head is not None and holder.get("id") == head.get("id")):
+    holder = health.holder
+    if holder is None or (head is not None and holder.id == head.get("id")):
         return None
-    return holder
+    return holder.body()
 
 
 def form_ring(addresses: Sequence[Address], model: str | os.PathLike[str], key: bytes, *,
@@ -353,22 +372,22 @@ def form_ring(addresses: Sequence[Address], model: str | os.PathLike[str], key: 
     try:
         profiles = []
         for m in members:
-            h = m.request("health", timeout=CONNECT_TIMEOUT_S).meta
+            h = m.ask("health", timeout=CONNECT_TIMEOUT_S)
             # The node's own name (what mDNS and `ring status` show), not its id.
-            m.name = str(h.get("name") or m.name)
+            m.name = h.name or m.name
             other = _holder_of(h, head)
             if other is not None and not take_over:
                 raise RingBusy(f"{m.name} ({m.address[0]}:{m.address[1]}) is held by "
                                f"{describe_holder(other)}; stop it, go through it (`edgespec "
                                f"chat --server URL` for a running serve), or pass --take-over")
-            prof = NodeProfile(h["node_id"], h.get("name", m.name), m.address[0], m.address[1],
-                               free_mem=int(h.get("free_ram") or 0), rtt_ms=m.last_rtt_ms)
+            prof = NodeProfile(h.node_id, h.name or m.name, m.address[0], m.address[1],
+                               free_mem=h.free_ram, rtt_ms=m.last_rtt_ms)
             if profile and ranges is None and not send_shards:
                 log_fn(f"profiling {m.name} on {model_path.name}...")
                 try:
-                    p = m.request("profile", timeout=LOAD_TIMEOUT_S, model_path=str(model_path),
-                                  fingerprint=fp).meta
-                    prof.ms_per_layer = {int(b): float(v) for b, v in p["ms_per_layer"].items()}
+                    p = m.ask("profile", timeout=LOAD_TIMEOUT_S, model_path=str(model_path),
+                              fingerprint=fp)
+                    prof.ms_per_layer = dict(p.ms_per_layer)
                 except (RingBusy, NodeLost):
                     raise
                 except RingError as e:  # e.g. the node lacks the model: it gets the median
@@ -399,7 +418,7 @@ def form_ring(addresses: Sequence[Address], model: str | os.PathLike[str], key: 
             load = {"model_path": "" if send_shards else str(model_path), "fingerprint": fp,
                     "windows": wins, "n_ctx": n_ctx, "n_seq_max": n_seq_max,
                     "encoding": encoding, **hold}
-            if m.request("load", timeout=LOAD_TIMEOUT_S, **load).meta.get("need_shards"):
+            if m.ask("load", timeout=LOAD_TIMEOUT_S, **load).need_shards:
                 log_fn(f"{m.name} lacks the model file: sending its windows")
                 load["shard_paths"] = _send_windows(m, model_path, fp, wins)
                 m.request("load", timeout=LOAD_TIMEOUT_S, **load)
@@ -443,7 +462,7 @@ def _send_windows(m: _Member, model_path: Path, fp: str, wins: list) -> dict[str
     fingerprint on the node: a shard it already holds is not sent again)."""
     from edgespec.llm.models import home
     from edgespec.llm.shards import cut_window, shard_file_name
-    from edgespec.transfer import send_shard
+    from edgespec.wire.transfer import send_shard
 
     def request(op: str, blob: bytes | None = None, **body: Any) -> Message:
         return m.request(op, blob=blob, timeout=120, **body)
@@ -468,7 +487,7 @@ def alive_nodes(addresses: Sequence[Address], key: bytes, timeout: float = DEAD_
         except Exception:
             continue
         try:
-            conn.request(control_message("ping"), timeout=max(timeout, 2.0))
+            conn.request(ctl.request_message(ctl.Ping()), timeout=max(timeout, 2.0))
             alive.append((host, port))
         except Exception:
             pass
@@ -626,14 +645,12 @@ def ring_report(state: dict, key: bytes, timeout: float = 5.0) -> list[dict[str,
             rows.append(row)
             continue
         try:
-            h = m.request("health", timeout=timeout).meta
-            row.update(name=str(h.get("name") or row["name"]), rtt_ms=m.last_rtt_ms,
-                       free_ram=h.get("free_ram"), rss=h.get("rss"), holder=h.get("holder"),
-                       node_id=h.get("node_id"))
-            stages = h.get("stages") or {}
-            row["held"] = {int(s): tuple(v.get("range", ())) for s, v in stages.items()}
-            links_ok = all(v.get("next") not in (None, "none") or v.get("is_last")
-                           for v in stages.values())
+            h = m.ask("health", timeout=timeout)
+            row.update(name=h.name or row["name"], rtt_ms=m.last_rtt_ms, free_ram=h.free_ram,
+                       rss=h.rss, holder=h.holder.body() if h.holder else None,
+                       node_id=h.node_id)
+            row["held"] = {s: v.range for s, v in h.stages.items()}
+            links_ok = all(v.next != "none" or v.is_last for v in h.stages.values())
             if left:
                 row["state"] = "returned"
             elif not row["held"]:
@@ -709,7 +726,7 @@ def discover(expect: int | None, timeout: float, key: bytes | None = None,
     the handshake or stalls is skipped, named in the log, and does not count toward
     ``expect``; browsing goes on for real nodes until ``timeout``.
     """
-    from edgespec.discovery import browse
+    from edgespec.wire.discovery import browse
 
     deadline = time.monotonic() + timeout
     good: list[Address] = []
@@ -739,7 +756,7 @@ def discover(expect: int | None, timeout: float, key: bytes | None = None,
                     conn = _dial(addr, key, "head-probe",
                                  timeout=max(1.0, min(CONNECT_TIMEOUT_S, left)))
                     try:
-                        conn.request(control_message("ping"), timeout=5.0)
+                        conn.request(ctl.request_message(ctl.Ping()), timeout=5.0)
                     finally:
                         conn.close()
                 except Exception as e:
@@ -795,14 +812,14 @@ def attach_chain(state: dict, key: bytes, *, head: dict | None = None,
     try:
         windows = [Window(s, node, a, b) for s, node, a, b in state["plan"]["windows"]]
         for i, (m, n) in enumerate(zip(members, state["nodes"], strict=True)):
-            h = m.request("health", timeout=CONNECT_TIMEOUT_S).meta
-            m.name = str(h.get("name") or n.get("name") or m.name)
+            h = m.ask("health", timeout=CONNECT_TIMEOUT_S)
+            m.name = h.name or n.get("name") or m.name
             other = _holder_of(h, head)
             if other is not None and not take_over:
                 raise RingBusy(f"the ring is held by {describe_holder(other)} (node {m.name}); "
                                f"go through it (`edgespec chat --server URL` for a running "
                                f"serve), stop it, or pass --take-over")
-            held = {int(s): tuple(v.get("range", ())) for s, v in (h.get("stages") or {}).items()}
+            held = {s: v.range for s, v in h.stages.items()}
             want = {w.stage: (w.start, w.stop) for w in windows if w.node == i}
             if held != want:
                 raise NodeLost(f"{m.name} holds {sorted(held.items()) or 'nothing'} instead of "
@@ -866,7 +883,7 @@ def attach(cls, state: str | os.PathLike[str] | None = None, *, key: str | None 
 
     A node that restarted or vanished since is handled like a loss: the ring is re-formed
     over the nodes that answer (and the state file updated)."""
-    from edgespec.auth import load_key
+    from edgespec.wire.auth import load_key
 
     st = load_state(state)
     key_bytes = load_key(key or st.get("key_file"))
@@ -891,8 +908,8 @@ def up(cls, model: str | os.PathLike[str], nodes: str = "auto", *, key: str | No
        encoding: str = "f32", spec: str = "auto", draft=None, take_over: bool = False,
        **engine: Any):
     """Discover (or list) nodes, form the ring, save its state, and return its head."""
-    from edgespec.auth import ensure_key
     from edgespec.llm.models import resolve
+    from edgespec.wire.auth import ensure_key
 
     key_bytes = ensure_key(key)
     model_path = resolve(model)

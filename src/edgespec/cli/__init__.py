@@ -101,7 +101,7 @@ def _address_of(exc: BaseException, args: argparse.Namespace) -> str:
 
 
 def _key_hint(args: argparse.Namespace) -> str:
-    from edgespec.auth import default_key_path
+    from edgespec.wire.auth import default_key_path
 
     key = getattr(args, "key_file", None) or default_key_path()
     return (f"every member must hold the same ring key: copy {key} to that node and start it "
@@ -113,13 +113,13 @@ def explain(exc: BaseException, args: argparse.Namespace) -> str | None:
     anything else (a bug: then the traceback matters)."""
     import errno as _errno
 
-    from edgespec.auth import AuthError, KeyFileError
     from edgespec.errors import RequestError
     from edgespec.errors import RingError as _RingError
     from edgespec.llm.gguf_read import ShardError
     from edgespec.llm.models import ModelError
     from edgespec.ring import RingError as _RingStateError
-    from edgespec.transport import TransportError
+    from edgespec.wire.auth import AuthError, KeyFileError
+    from edgespec.wire.transport import TransportError
 
     cmd = args.command
     if isinstance(exc, AuthError):
@@ -165,9 +165,9 @@ def explain(exc: BaseException, args: argparse.Namespace) -> str | None:
         return str(exc)
     try:  # these pull in llama.cpp: the failure being explained may be that it cannot load
         from edgespec.chat import ServerError
-        from edgespec.discovery import DiscoveryError
         from edgespec.llm.llamacpp import LlamaLoadError
-        from edgespec.transfer import TransferError
+        from edgespec.wire.discovery import DiscoveryError
+        from edgespec.wire.transfer import TransferError
     except ImportError:
         return None
     if isinstance(exc, (ServerError, DiscoveryError, LlamaLoadError, TransferError)):

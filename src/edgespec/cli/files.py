@@ -114,7 +114,7 @@ def _add_shard(sub) -> None:
 
 
 def _keygen(args: argparse.Namespace) -> int:
-    from edgespec.auth import write_key
+    from edgespec.wire.auth import write_key
 
     path = write_key(args.key_file, force=args.force)
     print(f"ring key written to {path} (mode 0600). Copy it to every node "

@@ -32,7 +32,6 @@ def _add_node(sub) -> None:
 # ------------------------------------------------------------------------------------ ring
 
 def _ring_up(args: argparse.Namespace) -> int:
-    from edgespec.auth import ensure_key
     from edgespec.llm.models import resolve
     from edgespec.llm.shards import parse_ranges
     from edgespec.ring import (
@@ -46,6 +45,7 @@ def _ring_up(args: argparse.Namespace) -> int:
         state_path,
         unload_nodes,
     )
+    from edgespec.wire.auth import ensure_key
 
     key = ensure_key(args.key_file)
     model = resolve(args.model)
@@ -93,9 +93,9 @@ def _fmt_gb(v) -> str:
 
 
 def _ring_status(args: argparse.Namespace) -> int:
-    from edgespec.auth import load_key
     from edgespec.nodeinfo import describe_holder
     from edgespec.ring import load_state, ring_report
+    from edgespec.wire.auth import load_key
 
     state = load_state()
     key = load_key(args.key_file or state.get("key_file"))
@@ -131,8 +131,8 @@ def _ring_status(args: argparse.Namespace) -> int:
 
 
 def _ring_down(args: argparse.Namespace) -> int:
-    from edgespec.auth import load_key
     from edgespec.ring import head_identity, load_state, named_nodes, state_path, unload_nodes
+    from edgespec.wire.auth import load_key
 
     state = load_state()
     key = load_key(args.key_file or state.get("key_file"))
@@ -148,7 +148,6 @@ def _ring_down(args: argparse.Namespace) -> int:
 
 
 def _ring_rebalance(args: argparse.Namespace) -> int:
-    from edgespec.auth import load_key
     from edgespec.ring import (
         head_identity,
         load_state,
@@ -157,6 +156,7 @@ def _ring_rebalance(args: argparse.Namespace) -> int:
         reform_ring,
         save_state,
     )
+    from edgespec.wire.auth import load_key
 
     state = load_state()
     key = load_key(args.key_file or state.get("key_file"))

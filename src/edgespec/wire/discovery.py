@@ -13,7 +13,7 @@ A node advertises its address and port plus public facts in TXT fields:
 =========  ==========================================================
 
 Only these keys are ever written (``NodeInfo.txt``), so no secret can leak into mDNS: the ring
-key is proven on the TCP connection (``edgespec.auth``), never announced.
+key is proven on the TCP connection (``edgespec.wire.auth``), never announced.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from zeroconf import (
     get_all_addresses,
 )
 
-from edgespec.wire import PROTOCOL_VERSION
+from edgespec.wire.header import PROTOCOL_VERSION
 
 log = logging.getLogger("edgespec.discovery")
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 import numpy as np
 
 from edgespec.chain import Batch, Result, Sampling
-from edgespec.wire import FieldTag, Kind, Message, kv_ops_list, seq_lists, seq_matrix
+from edgespec.wire.codec import HIDDEN_ENCODINGS, FieldTag, Message, kv_ops_list
+from edgespec.wire.header import Kind
+from edgespec.wire.messages import seq_lists, seq_matrix
 
 
 def _meta(batch: Batch) -> dict:
@@ -41,8 +43,6 @@ def batch_message(batch: Batch, hidden: np.ndarray | None = None, encoding: str 
     if hidden is None:
         fields[FieldTag.TOKENS] = batch.tokens
         return Message(Kind.TOKENS, fields, lap_id=batch.lap, segment_id=batch.segment)
-    from edgespec.wire import HIDDEN_ENCODINGS
-
     fields[FieldTag.HIDDEN] = hidden
     return Message(Kind.HIDDEN, fields, lap_id=batch.lap, segment_id=batch.segment,
                    hidden_encoding=HIDDEN_ENCODINGS[encoding])

@@ -13,13 +13,16 @@ import hashlib
 import json
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
 from edgespec.llm.shards import shard_file_name
+from edgespec.wire import control as ctl
+
+ShardOp = ctl.ShardStatus | ctl.ShardChunk | ctl.ShardFinish
 
 # Progress bars take ``disable=None`` when wanted: tqdm then draws them on a terminal only, so
 # a log file or pipe never collects carriage-return updates.
@@ -109,27 +112,30 @@ class ShardStore:
         return final
 
 
-def handle(store: ShardStore, meta: dict, blob: bytes | None) -> dict:
-    """Serve the ``shard_status`` / ``shard_chunk`` / ``shard_finish`` control ops."""
+def handle(store: ShardStore, req: ShardOp | Mapping[str, Any], blob: bytes | None) -> dict:
+    """Serve the ``shard_status`` / ``shard_chunk`` / ``shard_finish`` control ops (a typed
+    request, or a CONTROL frame's META, which is parsed as one)."""
+    if not isinstance(req, (ctl.ShardStatus, ctl.ShardChunk, ctl.ShardFinish)):
+        parsed = ctl.parse_request(req, blob)
+        if not isinstance(parsed, (ctl.ShardStatus, ctl.ShardChunk, ctl.ShardFinish)):
+            raise TransferError(f"unknown shard op {parsed.op!r}")
+        req = parsed
     with store._lock:
-        return _handle(store, meta, blob)
+        return _handle(store, req, blob)
 
 
-def _handle(store: ShardStore, meta: dict, blob: bytes | None) -> dict:
-    op = meta.get("op")
-    fp, a, b = str(meta["fingerprint"]), int(meta["start"]), int(meta["stop"])
-    if op == "shard_status":
-        return store.status(fp, a, b, int(meta["size"]), str(meta["sha256"]))
-    if op == "shard_chunk":
+def _handle(store: ShardStore, req: ShardOp, blob: bytes | None) -> dict:
+    fp, a, b = req.fingerprint, req.start, req.stop
+    if isinstance(req, ctl.ShardStatus):
+        return store.status(fp, a, b, req.size, req.sha256)
+    if isinstance(req, ctl.ShardChunk):
         if blob is None:
             raise TransferError("shard_chunk without data")
-        return {"have": store.write(fp, a, b, int(meta["offset"]), bytes(blob))}
-    if op == "shard_finish":
-        return {"path": str(store.finish(fp, a, b, int(meta["size"]), str(meta["sha256"])))}
-    raise TransferError(f"unknown shard op {op!r}")
+        return {"have": store.write(fp, a, b, req.offset, bytes(blob))}
+    return {"path": str(store.finish(fp, a, b, req.size, req.sha256))}
 
 
-Request = Callable[..., Any]  # request(op, blob=None, **body) -> reply with .meta
+Request = Callable[..., Any]  # request(op, blob=None, **body) -> the REPLY Message
 
 
 def send_shard(request: Request, path: str | os.PathLike[str], fingerprint: str, start: int,
@@ -142,10 +148,11 @@ def send_shard(request: Request, path: str | os.PathLike[str], fingerprint: str,
     size = path.stat().st_size
     sha = _sha256(path)
     ident = {"fingerprint": fingerprint, "start": start, "stop": stop}
-    st = request("shard_status", size=size, sha256=sha, **ident).meta
-    if st.get("complete"):
-        return str(st["path"]), 0
-    offset = int(st.get("have", 0))
+    st = ctl.parse_reply("shard_status", request("shard_status", size=size, sha256=sha, **ident))
+    assert isinstance(st, ctl.ShardStatusReply)
+    if st.complete:
+        return st.path, 0
+    offset = st.have
     sent = 0
     with open(path, "rb") as f, tqdm(total=size, initial=offset, unit="B", unit_scale=True,
                                      desc=f"shard {start}:{stop} -> {name}",
@@ -153,9 +160,12 @@ def send_shard(request: Request, path: str | os.PathLike[str], fingerprint: str,
         f.seek(offset)
         while offset < size:
             data = f.read(chunk)
-            reply = request("shard_chunk", blob=data, offset=offset, **ident).meta
-            offset = int(reply["have"])
+            reply = ctl.parse_reply("shard_chunk",
+                                    request("shard_chunk", blob=data, offset=offset, **ident))
+            assert isinstance(reply, ctl.ShardChunkReply)
+            offset = reply.have
             sent += len(data)
             bar.update(len(data))
-    done = request("shard_finish", size=size, sha256=sha, **ident).meta
-    return str(done["path"]), sent
+    done = ctl.parse_reply("shard_finish", request("shard_finish", size=size, sha256=sha, **ident))
+    assert isinstance(done, ctl.ShardFinishReply)
+    return done.path, sent

@@ -61,7 +61,7 @@ from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.hashes import SHA256
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from edgespec.wire import PROTOCOL_VERSION, TAG_SIZE, FrameHeader
+from edgespec.wire.header import PROTOCOL_VERSION, TAG_SIZE, FrameHeader
 
 KEY_SIZE = 32
 NONCE_SIZE = 32

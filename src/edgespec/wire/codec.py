@@ -1,28 +1,11 @@
-"""The ring's wire format: framed, versioned messages and their numpy payload codecs.
+"""Payload codec of the ring's wire protocol: fields, encodings, schemas (docs/design.md 5.1).
 
-A frame on a TCP stream is::
+(About 500 lines, over the usual 450: the per-kind schemas, the encoder and the decoder check
+one another through one shared validation and read best side by side; the KV-op helpers at
+the end go with KvOp when it moves to its own module.)
 
-    header (32 bytes) | payload (payload_len bytes) | tag (16 bytes, sealed frames only)
-
-Before the handshake's key proofs (HELLO, CHALLENGE, refusals) frames are plain. From AUTH on,
-the payload travels encrypted and the 16-byte AEAD tag follows it (``edgespec.auth``); the
-header stays readable, because the receiver needs it to frame the stream, but it is covered
-by the tag, so it cannot be altered either.
-
-Header, little-endian (``HEADER``)::
-
-    0  2s  magic b"eS"
-    2  B   protocol version (PROTOCOL_VERSION)
-    3  B   kind (``Kind``)
-    4  H   flags (``Flag``; unknown bits are refused)
-    6  H   reserved, must be 0
-    8  I   request id   (pairs a reply with its request; 0 = none)
-    12 I   lap id       (one pass of the ring)
-    16 I   segment id   (FlowSpec segment inside a lap)
-    20 Q   sequence number (per direction of one connection; the AEAD nonce of a sealed frame)
-    28 I   payload length
-
-The payload is a sequence of *fields*. Each field is::
+A payload (see ``edgespec.wire.header`` for the frame around it) is a sequence of *fields*.
+Each field is::
 
     tag (B, ``FieldTag``) | encoding (B, ``Encoding``) | ndim (B) | reserved (B, 0)
     | ndim x u32 dims | data | zero padding to a multiple of 4 bytes
@@ -30,14 +13,14 @@ The payload is a sequence of *fields*. Each field is::
 The data length follows from the encoding and the dims, so a corrupted size can never make the
 reader run past the payload. Each frame kind has a schema (required / allowed fields, their
 encodings and ranks) and related fields must agree on the token count; anything else raises
-``WireError``. The tag is computed by ``edgespec.auth`` over header and payload; this module
-only knows its size. JSON fields are bounded in nesting depth (``MAX_JSON_DEPTH``), so a
-hostile body is a ``WireError``, never a ``RecursionError``.
+``WireError``. The tag is computed by ``edgespec.wire.auth`` over header and payload. JSON
+fields are bounded in nesting depth (``MAX_JSON_DEPTH``), so a hostile body is a
+``WireError``, never a ``RecursionError``.
 
-Hidden states travel as float16 by default (``Encoding.F16``), optionally float32 (exact) or
-8-bit blockwise (``Encoding.Q8``: blocks of 32 values along the last axis, one float16 scale per
-block, int8 values in [-127, 127]; 34 bytes per 32 values). They always decode to float32,
-because that is what ``llama_batch.embd`` takes.
+Hidden states travel as float32 unless the ring is formed otherwise (``--activations``; a
+``Message`` and ``hidden_message`` default to ``Encoding.F32`` too, the exact one), or as
+float16 or 8-bit blockwise (``Encoding.Q8``, ``edgespec.wire.quant``). They always decode to
+float32, because that is what ``llama_batch.embd`` takes.
 """
 
 from __future__ import annotations
@@ -47,68 +30,24 @@ import re
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import IntEnum, IntFlag
-from typing import Any, NamedTuple
+from enum import IntEnum
+from typing import Any
 
 import numpy as np
 
 from edgespec.tree.kvop import KvOp, KvOpCode
+from edgespec.wire.header import (
+    KNOWN_FLAGS,
+    MAX_JSON_DEPTH,
+    U32_MAX,
+    FrameHeader,
+    Kind,
+    WireError,
+)
+from edgespec.wire.quant import Q8_BLOCK, dequantize_q8, q8_layout, quantize_q8
 
-#: 2: sealed frames (AEAD instead of a MAC), node ids exchanged only after the key proofs.
-PROTOCOL_VERSION = 2
-MAGIC = b"eS"
-HEADER = struct.Struct("<2sBBHHIIIQI")
-HEADER_SIZE = HEADER.size  # 32
-TAG_SIZE = 16
-#: Default cap on one frame's payload. Large enough for 256 tokens x 16384 float32 hidden
-#: values; shard transfers go in chunks well below it.
-DEFAULT_MAX_PAYLOAD = 64 * 1024 * 1024
-#: Cap on frames exchanged before authentication (handshake bodies are a few hundred bytes).
-HANDSHAKE_MAX_PAYLOAD = 4096
-#: Deepest nesting of arrays/objects a JSON field may have. Control bodies nest two or three
-#: levels; the cap keeps json.loads far from Python's recursion limit.
-MAX_JSON_DEPTH = 32
-Q8_BLOCK = 32
-_U32_MAX = 0xFFFFFFFF
 _FIELD_HEAD = struct.Struct("<BBBB")
 _MAX_NDIM = 4
-
-
-class WireError(ValueError):
-    """A frame or payload that does not follow the protocol (or cannot be encoded)."""
-
-
-class Kind(IntEnum):
-    """What a frame is. Handshake kinds travel before authentication, all others after."""
-
-    HELLO = 1  # client -> server: protocol, client nonce, key tag, sealing on/off
-    CHALLENGE = 2  # server -> client: server nonce + server proof
-    AUTH = 3  # client -> server, first sealed frame: client proof + client node id
-    WELCOME = 4  # server -> client, sealed: accepted + server node id
-    ERROR = 8  # either way: {"code", "message"}; answers a bad frame or a failed request
-    CLOSE = 9  # either way: orderly goodbye
-    CONTROL = 16  # {"op": load|profile|health|shutdown|...}, optional blob (shard chunks)
-    REPLY = 17  # answer to CONTROL, same request id
-    TOKENS = 32  # head -> stage 0: token ids, positions, seq ids (+ tree parents)
-    HIDDEN = 33  # stage -> stage: hidden states, positions, seq ids (+ ids, parents for verifier)
-    RESULT = 34  # last stage -> head: accepted token ids (+ accepted node indices)
-    KV_OPS = 35  # explicit KV cache operation list for a stage
-    COMMIT = 36  # accepted path: ids (+ node indices, KV ops) applied by every stage
-    PRUNE = 37  # FlowSpec pruning: surviving node indices (+ new token)
-
-
-HANDSHAKE_KINDS = frozenset({Kind.HELLO, Kind.CHALLENGE, Kind.AUTH, Kind.WELCOME, Kind.ERROR})
-
-
-class Flag(IntFlag):
-    """Frame flags."""
-
-    NONE = 0
-    FINAL_SEGMENT = 1  # last segment of a lap
-    NEEDS_REPLY = 2  # the sender waits for an answer with the same request id
-
-
-_KNOWN_FLAGS = int(Flag.FINAL_SEGMENT | Flag.NEEDS_REPLY)
 
 
 class FieldTag(IntEnum):
@@ -132,7 +71,7 @@ class Encoding(IntEnum):
     I32 = 1
     F32 = 2
     F16 = 3
-    Q8 = 4  # blockwise int8, see module docstring
+    Q8 = 4  # blockwise int8, see edgespec.wire.quant
     BITS = 5  # bool matrix, rows bit-packed (numpy.packbits, big bit order)
     JSON = 6  # UTF-8 JSON object, dims = (nbytes,)
     BYTES = 7  # raw bytes, dims = (nbytes,)
@@ -141,53 +80,6 @@ class Encoding(IntEnum):
 HIDDEN_ENCODINGS = {"f32": Encoding.F32, "f16": Encoding.F16, "q8": Encoding.Q8}
 
 
-class FrameHeader(NamedTuple):
-    """A decoded frame header."""
-
-    kind: Kind
-    flags: int
-    request_id: int
-    lap_id: int
-    segment_id: int
-    seq: int
-    payload_len: int
-
-    def pack(self) -> bytes:
-        """The 32 header bytes."""
-        return HEADER.pack(
-            MAGIC,
-            PROTOCOL_VERSION,
-            int(self.kind),
-            self.flags,
-            0,
-            self.request_id,
-            self.lap_id,
-            self.segment_id,
-            self.seq,
-            self.payload_len,
-        )
-
-
-def decode_header(buf: bytes | bytearray | memoryview, max_payload: int = DEFAULT_MAX_PAYLOAD) -> FrameHeader:
-    """Parse and validate 32 header bytes; raise WireError on anything unexpected."""
-    if len(buf) != HEADER_SIZE:
-        raise WireError(f"header must be {HEADER_SIZE} bytes, got {len(buf)}")
-    magic, version, kind, flags, reserved, rid, lap, seg, seq, plen = HEADER.unpack(buf)
-    if magic != MAGIC:
-        raise WireError(f"bad magic {bytes(magic)!r} (not an edgespec frame)")
-    if version != PROTOCOL_VERSION:
-        raise WireError(f"protocol version {version} not supported (this node speaks {PROTOCOL_VERSION})")
-    try:
-        kind = Kind(kind)
-    except ValueError:
-        raise WireError(f"unknown frame kind {kind}") from None
-    if flags & ~_KNOWN_FLAGS:
-        raise WireError(f"unknown flag bits 0x{flags & ~_KNOWN_FLAGS:04x}")
-    if reserved:
-        raise WireError("reserved header field is not zero")
-    if plen > max_payload:
-        raise WireError(f"payload of {plen} bytes exceeds the maximum frame size ({max_payload})")
-    return FrameHeader(kind, flags, rid, lap, seg, seq, plen)
 
 
 # ----------------------------------------------------------------------------- field codecs
@@ -245,12 +137,6 @@ _PER_TOKEN = (_T.TOKENS, _T.POSITIONS, _T.SEQ_IDS, _T.PARENTS, _T.NODES, _T.HIDD
 _PER_TOKEN_KINDS = frozenset({Kind.TOKENS, Kind.HIDDEN})
 
 
-def _q8_layout(shape: tuple[int, ...]) -> tuple[int, int]:
-    """(rows, blocks per row) of a q8 matrix of ``shape``."""
-    rows = int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
-    return rows, -(-shape[-1] // Q8_BLOCK)
-
-
 def _data_size(enc: Encoding, shape: tuple[int, ...]) -> int:
     count = int(np.prod(shape, dtype=np.int64))
     if enc in (Encoding.I32, Encoding.F32):
@@ -258,46 +144,12 @@ def _data_size(enc: Encoding, shape: tuple[int, ...]) -> int:
     if enc == Encoding.F16:
         return 2 * count
     if enc == Encoding.Q8:
-        rows, blocks = _q8_layout(shape)
+        rows, blocks = q8_layout(shape)
         return rows * blocks * (2 + Q8_BLOCK)
     if enc == Encoding.BITS:
         rows = int(np.prod(shape[:-1], dtype=np.int64))
         return rows * -(-shape[-1] // 8)
     return count  # JSON, BYTES: dims = (nbytes,)
-
-
-def quantize_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Blockwise 8-bit quantization along the last axis.
-
-    Returns (scales float16 [rows, blocks], values int8 [rows, blocks * Q8_BLOCK]); the last
-    block is zero-padded. The scale is rounded to float16 *before* quantizing, so the decoded
-    value is exactly ``scale * q`` and the error is bounded by half a step.
-    """
-    x = np.asarray(x, dtype=np.float32)
-    if x.ndim < 1 or x.shape[-1] == 0:
-        raise WireError("q8 needs a non-empty last axis")
-    if not np.all(np.isfinite(x)):
-        raise WireError("hidden states contain NaN or inf")
-    rows, blocks = _q8_layout(x.shape)
-    padded = np.zeros((rows, blocks * Q8_BLOCK), dtype=np.float32)
-    padded[:, : x.shape[-1]] = x.reshape(rows, x.shape[-1])
-    b = padded.reshape(rows, blocks, Q8_BLOCK)
-    amax = np.abs(b).max(axis=2)
-    scales = (amax / 127.0).astype(np.float16)
-    if not np.all(np.isfinite(scales)):
-        raise WireError("hidden state magnitude exceeds the q8 scale range (float16); use f32")
-    s32 = scales.astype(np.float32)
-    safe = np.where(s32 > 0, s32, 1.0)[:, :, None]
-    q = np.clip(np.rint(b / safe), -127, 127).astype(np.int8)
-    return scales, q.reshape(rows, blocks * Q8_BLOCK)
-
-
-def dequantize_q8(scales: np.ndarray, values: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    """Inverse of ``quantize_q8``: float32 array of ``shape``."""
-    rows, blocks = _q8_layout(shape)
-    q = values.reshape(rows, blocks, Q8_BLOCK).astype(np.float32)
-    out = (q * scales.reshape(rows, blocks, 1).astype(np.float32)).reshape(rows, blocks * Q8_BLOCK)
-    return np.ascontiguousarray(out[:, : shape[-1]]).reshape(shape)
 
 
 def _byte_view(arr: np.ndarray) -> memoryview | bytes:
@@ -391,7 +243,7 @@ def _decode_data(tag: FieldTag, enc: Encoding, shape: tuple[int, ...], data: mem
     if enc == Encoding.F16:
         return np.frombuffer(data, dtype="<f2").reshape(shape).astype(np.float32)
     if enc == Encoding.Q8:
-        rows, blocks = _q8_layout(shape)
+        rows, blocks = q8_layout(shape)
         scales = np.frombuffer(data[: 2 * rows * blocks], dtype="<f2")
         values = np.frombuffer(data[2 * rows * blocks :], dtype=np.int8)
         if not np.all(np.isfinite(scales)):
@@ -421,7 +273,7 @@ class Message:
     lap_id: int = 0
     segment_id: int = 0
     flags: int = 0
-    hidden_encoding: Encoding = Encoding.F16
+    hidden_encoding: Encoding = Encoding.F32
 
     @property
     def meta(self) -> dict[str, Any]:
@@ -487,11 +339,11 @@ def encode_frame(msg: Message, seq: int = 0) -> tuple[FrameHeader, list[bytes | 
     for name, v in (("request id", msg.request_id), ("lap id", msg.lap_id), ("segment id", msg.segment_id)):
         _check_ids(name, v)
     _check_ids("sequence number", seq, 64)
-    if msg.flags & ~_KNOWN_FLAGS:
-        raise WireError(f"unknown flag bits 0x{msg.flags & ~_KNOWN_FLAGS:04x}")
+    if msg.flags & ~KNOWN_FLAGS:
+        raise WireError(f"unknown flag bits 0x{msg.flags & ~KNOWN_FLAGS:04x}")
     chunks = encode_payload(msg)
     plen = sum(memoryview(c).nbytes for c in chunks)
-    if plen > _U32_MAX:
+    if plen > U32_MAX:
         raise WireError(f"payload of {plen} bytes does not fit a frame")
     return FrameHeader(Kind(msg.kind), int(msg.flags), msg.request_id, msg.lap_id, msg.segment_id, seq, plen), chunks
 
@@ -597,28 +449,6 @@ def _validate(msg: Message, encodings: Mapping[FieldTag, Encoding], shapes: Mapp
         kv_ops_list(msg.fields[FieldTag.KV_OPS])  # validates codes and arguments
 
 
-# ----------------------------------------------------------------------------- helpers
-
-
-def seq_matrix(seq_ids: list[list[int]] | list[tuple[int, ...]], n_seq: int | None = None) -> np.ndarray:
-    """Bool [n_tokens, n_seq] matrix from per-token lists of sequence ids."""
-    top = max((max(s) for s in seq_ids if len(s)), default=-1)
-    width = top + 1 if n_seq is None else n_seq
-    if top >= width:
-        raise WireError(f"sequence id {top} does not fit n_seq={width}")
-    m = np.zeros((len(seq_ids), max(width, 1)), dtype=bool)
-    for i, s in enumerate(seq_ids):
-        if any(j < 0 for j in s):
-            raise WireError("sequence ids must be >= 0")
-        m[i, list(s)] = True
-    return m
-
-
-def seq_lists(matrix: np.ndarray) -> list[list[int]]:
-    """Per-token lists of sequence ids from a SEQ_IDS matrix."""
-    return [np.flatnonzero(row).tolist() for row in np.asarray(matrix, dtype=bool)]
-
-
 def kv_ops_array(ops: Any) -> np.ndarray:
     """int32 [m, 5] array from a list of ``KvOp`` (or an existing array, validated)."""
     if isinstance(ops, np.ndarray):
@@ -656,70 +486,3 @@ def kv_ops_list(arr: Any) -> list[KvOp]:
             raise WireError(f"KV_OPS: value out of int32 range in {row}")
         out.append(KvOp(code, seq, p0, p1, arg))
     return out
-
-
-def tokens_message(
-    tokens: Any,
-    positions: Any,
-    seq_ids: np.ndarray,
-    parents: Any | None = None,
-    *,
-    lap_id: int = 0,
-    segment_id: int = 0,
-    request_id: int = 0,
-    flags: int = 0,
-    meta: Mapping[str, Any] | None = None,
-) -> Message:
-    """A TOKENS message (head -> first stage)."""
-    f: dict[FieldTag, Any] = {FieldTag.TOKENS: tokens, FieldTag.POSITIONS: positions, FieldTag.SEQ_IDS: seq_ids}
-    if parents is not None:
-        f[FieldTag.PARENTS] = parents
-    if meta is not None:
-        f[FieldTag.META] = dict(meta)
-    return Message(Kind.TOKENS, f, request_id, lap_id, segment_id, flags)
-
-
-def hidden_message(
-    hidden: np.ndarray,
-    positions: Any,
-    seq_ids: np.ndarray,
-    *,
-    encoding: str | Encoding = "f16",
-    tokens: Any | None = None,
-    parents: Any | None = None,
-    lap_id: int = 0,
-    segment_id: int = 0,
-    request_id: int = 0,
-    flags: int = 0,
-    meta: Mapping[str, Any] | None = None,
-) -> Message:
-    """A HIDDEN message (stage -> next stage); ``encoding`` is "f16" (default), "f32" or "q8"."""
-    enc = HIDDEN_ENCODINGS.get(encoding) if isinstance(encoding, str) else Encoding(encoding)
-    if enc is None:
-        raise WireError(f"hidden encoding must be one of {sorted(HIDDEN_ENCODINGS)}, got {encoding!r}")
-    f: dict[FieldTag, Any] = {FieldTag.HIDDEN: hidden, FieldTag.POSITIONS: positions, FieldTag.SEQ_IDS: seq_ids}
-    if tokens is not None:
-        f[FieldTag.TOKENS] = tokens
-    if parents is not None:
-        f[FieldTag.PARENTS] = parents
-    if meta is not None:
-        f[FieldTag.META] = dict(meta)
-    return Message(Kind.HIDDEN, f, request_id, lap_id, segment_id, flags, hidden_encoding=enc)
-
-
-def control_message(op: str, *, request_id: int = 0, blob: bytes | None = None, **body: Any) -> Message:
-    """A CONTROL message ``{"op": op, **body}`` that expects a REPLY."""
-    f: dict[FieldTag, Any] = {FieldTag.META: {"op": op, **body}}
-    if blob is not None:
-        f[FieldTag.BLOB] = blob
-    return Message(Kind.CONTROL, f, request_id=request_id, flags=int(Flag.NEEDS_REPLY))
-
-
-def error_message(code: str, message: str, *, request_id: int = 0) -> Message:
-    """An ERROR message."""
-    return Message(Kind.ERROR, {FieldTag.META: {"code": code, "message": message}}, request_id=request_id)
-
-
-def payload_bytes(msg: Message) -> bytes:
-    """The payload of ``msg`` as one bytes object (tests, size accounting)."""
-    return b"".join(bytes(c) for c in encode_payload(msg))
