@@ -12,7 +12,7 @@ import pytest
 from tinygguf import make_tiny_gguf
 
 from edgespec import llamacpp
-from edgespec.planner import NodeProfile, model_memory, plan_ring
+from edgespec.head.planner import NodeProfile, model_memory, plan_ring
 from edgespec.shard import shard_model
 from edgespec.stage import StageRuntime
 

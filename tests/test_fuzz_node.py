@@ -14,9 +14,9 @@ from edgespec.api import Ring
 from edgespec.auth import load_key, write_key
 from edgespec.chain import Batch
 from edgespec.frames import batch_message
+from edgespec.head.local import LocalNodes
+from edgespec.head.remote import form_ring
 from edgespec.llamacpp import Tokenizer, load_model
-from edgespec.local import LocalNodes
-from edgespec.ring import form_ring
 from edgespec.transport import TransportError, connect
 from edgespec.wire import FieldTag, Kind, KvOp, Message, control_message, encode_frame
 

@@ -32,7 +32,7 @@ from tinygguf import make_tiny_gguf
 from edgespec import auth
 from edgespec.api import Ring
 from edgespec.errors import RequestError, StageFailure
-from edgespec.ring import _head_for, form_ring, head_identity
+from edgespec.head.remote import _head_for, form_ring, head_identity
 
 N = 16
 

@@ -30,8 +30,8 @@ from edgespec import auth
 from edgespec.api import Ring
 from edgespec.chain import Batch
 from edgespec.frames import batch_message
-from edgespec.planner import NodeProfile, PlanError, plan_ring
-from edgespec.ring import RingError, _head_for, form_ring, pick_address
+from edgespec.head.planner import NodeProfile, PlanError, plan_ring
+from edgespec.head.remote import RingError, _head_for, form_ring, pick_address
 from edgespec.shard import fingerprint
 from edgespec.transport import RemoteError, TransportError, connect
 from edgespec.wire import FieldTag, Kind, KvOp, KvOpCode, Message, control_message, encode_frame
@@ -443,7 +443,7 @@ def test_planner_range_overrides():
 
 
 def test_pick_address_prefers_the_heads_own_network():
-    from edgespec.ring import _local_networks
+    from edgespec.head.remote import _local_networks
 
     assert pick_address(["0.0.0.0", "fe80::1%eth0"]) is None
     assert pick_address(["127.0.0.1", "2001:db8::5"]) == "2001:db8::5"

@@ -176,7 +176,7 @@ class Ring:
         emulator on every connection), and engine settings ``budget``, ``segments``,
         ``max_depth``.
         """
-        from edgespec import local as _local
+        from edgespec.head import local as _local
 
         return _local.open_local_ring(cls, model, stages, draft=draft, spec=spec, n_ctx=n_ctx,
                                       processes=processes, verbose=verbose,
@@ -185,7 +185,7 @@ class Ring:
     @classmethod
     def attach(cls, state: str | Path | None = None, **kwargs: Any) -> Ring:
         """Attach to the ring brought up by ``edgespec ring up`` (its saved state file)."""
-        from edgespec import ring as _ring
+        from edgespec.head import remote as _ring
 
         return _ring.attach(cls, state, **kwargs)
 
@@ -194,7 +194,7 @@ class Ring:
            key: str | Path | None = None, **kwargs: Any) -> Ring:
         """Discover nodes (``nodes="auto"``: mDNS; or ``"host:port,..."``), plan, load and
         connect a ring, and return its head."""
-        from edgespec import ring as _ring
+        from edgespec.head import remote as _ring
 
         return _ring.up(cls, model, nodes, key=key, **kwargs)
 

@@ -232,8 +232,7 @@ def _add_node(sub) -> None:
 
 def _ring_up(args: argparse.Namespace) -> int:
     from edgespec.auth import ensure_key
-    from edgespec.models import resolve
-    from edgespec.ring import (
+    from edgespec.head.remote import (
         discover,
         form_ring,
         head_identity,
@@ -244,6 +243,7 @@ def _ring_up(args: argparse.Namespace) -> int:
         state_path,
         unload_nodes,
     )
+    from edgespec.models import resolve
     from edgespec.shard import parse_ranges
 
     key = ensure_key(args.key_file)
@@ -294,8 +294,8 @@ def _fmt_gb(v) -> str:
 
 def _ring_status(args: argparse.Namespace) -> int:
     from edgespec.auth import load_key
+    from edgespec.head.remote import load_state, ring_report
     from edgespec.nodeinfo import describe_holder
-    from edgespec.ring import load_state, ring_report
 
     state = load_state()
     key = load_key(args.key_file or state.get("key_file"))
@@ -332,7 +332,13 @@ def _ring_status(args: argparse.Namespace) -> int:
 
 def _ring_down(args: argparse.Namespace) -> int:
     from edgespec.auth import load_key
-    from edgespec.ring import head_identity, load_state, named_nodes, state_path, unload_nodes
+    from edgespec.head.remote import (
+        head_identity,
+        load_state,
+        named_nodes,
+        state_path,
+        unload_nodes,
+    )
 
     state = load_state()
     key = load_key(args.key_file or state.get("key_file"))
@@ -349,7 +355,7 @@ def _ring_down(args: argparse.Namespace) -> int:
 
 def _ring_rebalance(args: argparse.Namespace) -> int:
     from edgespec.auth import load_key
-    from edgespec.ring import (
+    from edgespec.head.remote import (
         head_identity,
         load_state,
         node_addresses,
@@ -460,7 +466,7 @@ class _StoreGiven(argparse.Action):
 
 def _open_ring(args: argparse.Namespace):
     from edgespec.api import Ring
-    from edgespec.ring import state_path
+    from edgespec.head.remote import state_path
 
     if args.local is None and state_path().exists():
         return Ring.attach(spec=args.spec, draft=args.draft, draft_quant=args.draft_quant,
@@ -687,8 +693,8 @@ def explain(exc: BaseException, args: argparse.Namespace) -> str | None:
     from edgespec.auth import AuthError, KeyFileError
     from edgespec.errors import RequestError
     from edgespec.errors import RingError as _RingError
+    from edgespec.head.remote import RingError as _RingStateError
     from edgespec.models import ModelError
-    from edgespec.ring import RingError as _RingStateError
     from edgespec.shard import ShardError
     from edgespec.transport import TransportError
 

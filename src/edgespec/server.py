@@ -77,8 +77,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from edgespec import errors
-from edgespec import ring as _ring_mod
 from edgespec.api import Generation, Ring, TextStream
+from edgespec.head import remote as _ring_mod
 
 log = logging.getLogger("edgespec.server")
 

@@ -151,7 +151,7 @@ def open_local_ring(cls, model: str | os.PathLike[str], stages: int, *, draft=No
     try:
         if processes:
             from edgespec.auth import write_key
-            from edgespec.ring import form_ring, head_identity, reform_ring
+            from edgespec.head.remote import form_ring, head_identity, reform_ring
 
             tmp = tempfile.TemporaryDirectory(prefix="edgespec-local-")
             cleanup.append(tmp.cleanup)

@@ -37,7 +37,7 @@ from edgespec.auth import AuthError
 from edgespec.chain import Batch, Result
 from edgespec.errors import NodeLost, RingBusy, RingError, StageFailure
 from edgespec.frames import batch_message, message_result
-from edgespec.planner import NodeProfile, Plan, PlanError, model_memory, plan_ring
+from edgespec.head.planner import NodeProfile, Plan, PlanError, model_memory, plan_ring
 from edgespec.transport import Connection, TransportError, connect
 from edgespec.wire import FieldTag, Kind, KvOp, Message, control_message
 
@@ -780,8 +780,8 @@ def attach_chain(state: dict, key: bytes, *, head: dict | None = None,
     Raises NodeLost when a node of the plan is unreachable or no longer holds its windows
     (it restarted), so the caller can re-form the ring instead of decoding garbage.
     """
+    from edgespec.head.planner import Window
     from edgespec.nodeinfo import describe_holder
-    from edgespec.planner import Window
 
     head = head or head_identity()
     addresses = [(n["host"], int(n["port"])) for n in state["nodes"]]
@@ -826,8 +826,8 @@ def attach_chain(state: dict, key: bytes, *, head: dict | None = None,
 def _head_for(cls, chain: RemoteChain, model: Path, *, spec: str = "auto", draft=None,
               drafter: str = "auto", n_ctx: int = 4096, on_close=None, recover=None,
               draft_quant: str = "q4_0", **engine: Any):
+    from edgespec.head.local import make_drafter
     from edgespec.llamacpp import Tokenizer, load_model
-    from edgespec.local import make_drafter
 
     tok_model = load_model(model, vocab_only=True)
 

@@ -1,0 +1,1 @@
+"""The head's side of edgespec (docs/design.md 1, 5)."""
