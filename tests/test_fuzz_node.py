@@ -14,8 +14,8 @@ from edgespec.api import Ring
 from edgespec.auth import load_key, write_key
 from edgespec.chain import Batch
 from edgespec.frames import batch_message
+from edgespec.head.formation import form_ring
 from edgespec.head.local import LocalNodes
-from edgespec.head.remote import form_ring
 from edgespec.llamacpp import Tokenizer, load_model
 from edgespec.transport import TransportError, connect
 from edgespec.wire import FieldTag, Kind, KvOp, Message, control_message, encode_frame

@@ -29,9 +29,12 @@ from tinygguf import make_tiny_gguf
 from edgespec import auth
 from edgespec.api import Ring
 from edgespec.chain import Batch
+from edgespec.errors import RingError
 from edgespec.frames import batch_message
+from edgespec.head.addresses import pick_address
+from edgespec.head.build import build_head
+from edgespec.head.formation import form_ring
 from edgespec.head.planner import NodeProfile, PlanError, plan_ring
-from edgespec.head.remote import RingError, _head_for, form_ring, pick_address
 from edgespec.shard import fingerprint
 from edgespec.transport import RemoteError, TransportError, connect
 from edgespec.wire import FieldTag, Kind, KvOp, KvOpCode, Message, control_message, encode_frame
@@ -114,7 +117,7 @@ def ring(tiny_model, keys, tmp_path_factory):
         chain = form_ring([n.address for n in nodes], tiny_model, auth.load_key(keys[0]),
                           ranges=[(0, 2), (2, 4)], n_ctx=512, n_seq_max=4, profile=False,
                           log_fn=lambda s: None)
-        head = _head_for(Ring, chain, tiny_model, spec="none", n_ctx=512)
+        head = build_head(Ring, chain, tiny_model, spec="none", n_ctx=512)
         head.nodes = nodes
         yield head
         head.close()
@@ -443,7 +446,7 @@ def test_planner_range_overrides():
 
 
 def test_pick_address_prefers_the_heads_own_network():
-    from edgespec.head.remote import _local_networks
+    from edgespec.head.addresses import _local_networks
 
     assert pick_address(["0.0.0.0", "fe80::1%eth0"]) is None
     assert pick_address(["127.0.0.1", "2001:db8::5"]) == "2001:db8::5"

@@ -13,7 +13,7 @@ import pytest
 from ring_fixtures import assert_same_greedy, unsplit_greedy
 
 from edgespec.api import Ring
-from edgespec.head.local import make_drafter
+from edgespec.head.build import make_drafter
 from edgespec.spec import RetrievalDrafter
 
 pytestmark = pytest.mark.real_model

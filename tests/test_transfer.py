@@ -96,8 +96,8 @@ def test_ring_over_nodes_without_the_model(tmp_path, caplog):
     from tinygguf import make_tiny_gguf
 
     from edgespec.api import Ring
+    from edgespec.head.formation import form_ring
     from edgespec.head.local import LocalNodes
-    from edgespec.head.remote import form_ring
     from edgespec.llamacpp import Tokenizer, load_model
 
     model = make_tiny_gguf(tmp_path / "m.gguf", "qwen2", n_layer=4, n_embd=64, seed=5)

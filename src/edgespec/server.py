@@ -78,7 +78,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from edgespec import errors
 from edgespec.api import Generation, Ring, TextStream
-from edgespec.head import remote as _ring_mod
 
 log = logging.getLogger("edgespec.server")
 
@@ -89,10 +88,8 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 #: already far beyond any context this server runs.
 MAX_BODY_BYTES = 4 << 20
 
-# Ring failures that end a request with 503 (the ring is unusable right now). ring.py has its
-# own RingError for forming/attaching; both mean the same to a client.
-_RING_ERRORS: tuple[type[BaseException], ...] = tuple(
-    {errors.RingError, getattr(_ring_mod, "RingError", errors.RingError)})
+# Ring failures that end a request with 503 (the ring is unusable right now).
+_RING_ERRORS: tuple[type[BaseException], ...] = (errors.RingError,)
 
 
 class _Gate:

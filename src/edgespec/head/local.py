@@ -1,5 +1,6 @@
-"""A ring on this one machine: N node processes on loopback (the same code path as a LAN
-ring), or all windows in this process. Used by ``Ring.local``, ``edgespec demo`` and tests."""
+"""Node processes on this one machine: N `edgespec node` processes on loopback, the same
+code path as a LAN ring. ``Ring.local`` (``edgespec.head.build.open_local_ring``), ``edgespec
+demo`` and tests start them."""
 
 from __future__ import annotations
 
@@ -9,13 +10,11 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from edgespec import models
 from edgespec.node import PARENT_ENV
 
 _LISTEN = re.compile(r"edgespec node \S+ \((\S+)\) on ([\d.]+):(\d+)")
@@ -100,114 +99,3 @@ def _drain(p: subprocess.Popen) -> None:
     with contextlib.suppress(Exception):
         for _ in p.stdout:  # type: ignore[union-attr]
             pass
-
-
-def make_drafter(model_path: Path, draft: str | os.PathLike[str] | None, kind: str = "auto",
-                 draft_quant: str = "q4_0"):
-    """The head's drafter: retrieval alone, the draft model, or hybrid retrieval + model.
-
-    ``kind="auto"``: the draft model when one is given (in flow mode it beat hybrid 2.08x to
-    1.01x over ``none``: 1.5B target, 4 stages, 10 ms hops, 4 HumanEval prompts; retrieval's
-    guesses take the hybrid's small per-segment budget first and are accepted less often),
-    else retrieval. ``draft_quant``: draft with a cached Q4_0 copy of the draft model
-    (``"none"``: as given); see :mod:`edgespec.spec.draft_quant` for why that never changes the
-    output."""
-    from edgespec.spec import RetrievalDrafter
-
-    if draft is None or kind == "retrieval":
-        return RetrievalDrafter()
-    from edgespec.spec import DraftModelDrafter, HybridDrafter
-    from edgespec.spec.draft_quant import fast_draft
-
-    draft_path = fast_draft(models.resolve(draft), draft_quant)
-    model_drafter = DraftModelDrafter(draft_path, target=model_path)
-    if kind in ("model", "auto"):
-        return model_drafter
-    return HybridDrafter(RetrievalDrafter(), model_drafter)
-
-
-def open_local_ring(cls, model: str | os.PathLike[str], stages: int, *, draft=None,
-                    spec: str = "auto", n_ctx: int = 4096, processes: bool = True,
-                    verbose: bool = False, drafter: str = "auto",
-                    encoding: str = "f32", threads: int = 1, proxy=None,
-                    ranges=None, rounds: int = 1, draft_quant: str = "q4_0", **engine: Any):
-    """Build a ``Ring`` (class ``cls``) over ``stages`` windows of ``model`` on this host."""
-    from edgespec.llamacpp import Tokenizer, load_model, set_verbose
-    from edgespec.shard import even_ranges, read_info
-
-    set_verbose(verbose)
-    model_path = models.resolve(model)
-    if draft is not None and drafter != "retrieval":
-        # A draft of another family is refused before any node process starts.
-        from edgespec.spec.draft_model import check_draft_tokenizer
-
-        check_draft_tokenizer(models.resolve(draft), model_path)
-    info = read_info(model_path)
-    tok_model = load_model(model_path, vocab_only=True)
-    tokenizer = Tokenizer(tok_model)
-    cleanup: list[Any] = [tok_model.close]
-    recover = None
-    nodes = None
-    try:
-        if processes:
-            from edgespec.auth import write_key
-            from edgespec.head.remote import form_ring, head_identity, reform_ring
-
-            tmp = tempfile.TemporaryDirectory(prefix="edgespec-local-")
-            cleanup.append(tmp.cleanup)
-            key_file = write_key(Path(tmp.name) / "ring.key")
-            from edgespec.auth import load_key
-
-            key = load_key(key_file)
-            nodes = LocalNodes(stages // rounds if rounds > 1 else stages, key_file,
-                               threads=threads, verbose=verbose)
-            cleanup.insert(0, nodes.close)
-            # Every node has read the key by the time it listens: remove it from disk now, so
-            # a head that is killed leaves no key folder behind.
-            tmp.cleanup()
-            rngs = ranges or even_ranges(info.n_layer, stages)
-            quiet = print if verbose else (lambda s: None)
-            head = head_identity()
-            chain = form_ring(nodes.addresses, model_path, key, ranges=rngs,
-                              rounds=rounds, n_ctx=n_ctx, encoding=encoding, profile=False,
-                              proxy=proxy, log_fn=quiet, head=head)
-            cleanup.insert(0, chain.close)
-
-            def recover(_exc: Exception):
-                # Node processes that died are gone for good; the survivors take their layers.
-                live = [a for p, a in zip(nodes.procs, nodes.addresses, strict=True)
-                        if p.poll() is None]
-                return reform_ring(live, model_path, key, n_ctx=n_ctx, encoding=encoding,
-                                   profile=False, proxy=proxy, log_fn=quiet, head=head)
-        else:
-            from edgespec.chain import LocalChain
-            from edgespec.shard import cut_window, fingerprint
-            from edgespec.stage import StageRuntime
-
-            fp = fingerprint(model_path)
-            shard_dir = models.home() / "shards"
-            runtimes = []
-            for a, b in (ranges or even_ranges(info.n_layer, stages)):
-                path = cut_window(model_path, (a, b), shard_dir / f"{model_path.stem}."
-                                  f"{fp[:12]}.L{a:03d}-{b:03d}.gguf")
-                rt = StageRuntime(path, n_ctx=n_ctx, n_seq_max=256, n_threads=threads)
-                runtimes.append(rt)
-                cleanup.insert(0, rt.close)
-            chain = LocalChain(runtimes, info.n_vocab)
-        drafter_obj = make_drafter(model_path, draft, drafter, draft_quant)
-    except BaseException:
-        for fn in cleanup:
-            with contextlib.suppress(Exception):
-                fn()
-        raise
-
-    def on_close() -> None:
-        for fn in cleanup:
-            with contextlib.suppress(Exception):
-                fn()
-
-    ring = cls(chain, tokenizer, model_name=Path(model_path).stem, spec=spec,
-               drafter_factory=lambda: drafter_obj, n_ctx=n_ctx, on_close=on_close,
-               engine_options=engine, recover=recover)
-    ring.local_nodes = nodes  # the node processes (None when all windows run in-process)
-    return ring
