@@ -9,11 +9,13 @@ import json
 import subprocess
 import sys
 
+import pytest
 from fastapi.testclient import TestClient
 from tinygguf import make_tiny_gguf
 
 from edgespec.api import Ring
 from edgespec.auth import write_key
+from edgespec.errors import RingError
 from edgespec.head.local import LocalNodes
 from edgespec.head.state import load_state
 from edgespec.server import create_app
@@ -71,3 +73,48 @@ def test_ring_status_json_and_v1_ring_agree(tmp_path, monkeypatch):
     # Only the head knows its mode; without one the field is there, empty.
     assert served["spec"] == "none" and status["spec"] is None
 
+
+
+OLD_STATE = {  # as `edgespec ring up` wrote it before the state was typed
+    "model": "/models/qwen2.5-coder-1.5b.gguf", "created": 1764600000.5,
+    "nodes": [{"name": "desk", "host": "192.168.1.20", "port": 7821},
+              {"name": "laptop", "host": "192.168.1.31", "port": 7821}],
+    "plan": {"n_layer": 28, "est_lap_ms": 41.5, "windows": [[0, 0, 0, 16], [1, 1, 16, 28]]},
+    "left": [{"name": "jetson", "host": "192.168.1.40", "port": 7821, "since": 1764500000.0,
+              "reason": "lost: node jetson stopped answering"}],
+    "encoding": "f16", "n_ctx": 2048, "key_file": None}
+
+
+def test_state_file_written_before_still_loads(tmp_path):
+    path = tmp_path / "ring.json"
+    path.write_text(json.dumps(OLD_STATE, indent=2))
+    st = load_state(path)
+    assert [(n.name, n.address) for n in st.nodes] == [("desk", ("192.168.1.20", 7821)),
+                                                      ("laptop", ("192.168.1.31", 7821))]
+    assert [(w.stage, w.node, w.start, w.stop) for w in st.windows] == [(0, 0, 0, 16),
+                                                                        (1, 1, 16, 28)]
+    assert (st.encoding, st.n_ctx, st.key_file, st.n_layer) == ("f16", 2048, None, 28)
+    assert st.named_nodes()[-1] == ("jetson", ("192.168.1.40", 7821))
+    assert st.left[0].reason == "lost: node jetson stopped answering"
+    assert st.to_dict() == OLD_STATE  # written back in the same format
+    # The oldest files have no `left`, `encoding`, `n_ctx` or `key_file`: defaults.
+    bare = {k: OLD_STATE[k] for k in ("model", "nodes", "plan")}
+    path.write_text(json.dumps(bare))
+    st = load_state(path)
+    assert (st.left, st.encoding, st.n_ctx, st.key_file) == ([], "f32", 4096, None)
+
+
+@pytest.mark.parametrize("broken, says", [
+    ({"nodes": [{"host": "a", "port": "7821"}]}, "nodes[0]: field 'port' must be an integer"),
+    ({"plan": {"n_layer": 28, "windows": [[0, 5, 0, 28]]}}, "names node 5 of 2"),
+    ({"plan": {"windows": []}}, "plan: missing field 'n_layer'"),
+    ({"model": None}, "field 'model' must be text, got None"),
+    ({"n_ctx": True}, "field 'n_ctx' must be an integer"),
+])
+def test_malformed_state_is_one_clear_error_naming_the_file(tmp_path, broken, says):
+    path = tmp_path / "ring.json"
+    path.write_text(json.dumps({**OLD_STATE, **broken}))
+    with pytest.raises(RingError) as e:
+        load_state(path)
+    assert says in str(e.value) and str(path) in str(e.value)
+    assert "edgespec ring up" in str(e.value)
