@@ -12,8 +12,8 @@ from tinygguf import make_tiny_gguf
 
 from edgespec.api import Ring
 from edgespec.chain import Sampling
+from edgespec.head.engine.runner import SpecEngine
 from edgespec.spec import Drafter, DraftTree
-from edgespec.spec.engine import SpecEngine
 
 
 class WrongDrafter(Drafter):

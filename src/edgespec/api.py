@@ -28,8 +28,8 @@ from typing import Any
 
 from edgespec.chain import Chain, Sampling
 from edgespec.errors import RequestError
+from edgespec.head.engine.runner import GenerationStats, SpecEngine
 from edgespec.head.session import Session
-from edgespec.spec.engine import GenerationStats, SpecEngine
 
 log = logging.getLogger("edgespec")
 

@@ -44,8 +44,8 @@ import numpy as np
 
 from edgespec import core
 from edgespec.chain import Batch, Chain, Sampling
+from edgespec.head.engine.gain import GainMeter
 from edgespec.spec.drafters import Drafter, DraftTree
-from edgespec.spec.gain import GainMeter
 from edgespec.wire import KvOp, KvOpCode
 
 log = logging.getLogger(__name__)
