@@ -12,7 +12,7 @@ from tinygguf import make_tiny_gguf
 
 from edgespec.api import Ring
 from edgespec.chain import Sampling
-from edgespec.head.engine.runner import SpecEngine
+from edgespec.head.engine import SpecEngine
 from edgespec.spec import Drafter, DraftTree
 
 

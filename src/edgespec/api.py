@@ -28,7 +28,7 @@ from typing import Any
 
 from edgespec.chain import Chain, Sampling
 from edgespec.errors import RequestError
-from edgespec.head.engine.runner import GenerationStats, SpecEngine
+from edgespec.head.engine import GenerationStats, SpecEngine
 from edgespec.head.session import Session
 
 log = logging.getLogger("edgespec")

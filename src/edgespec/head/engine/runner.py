@@ -30,193 +30,33 @@ so they reach each stage in order behind the rows they clean up.
 
 from __future__ import annotations
 
-import heapq
 import logging
-import math
 import secrets
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from edgespec import core
 from edgespec.chain import Batch, Chain, Sampling
+from edgespec.head.engine.cost import CostModel
+from edgespec.head.engine.flow import FlowRounds
 from edgespec.head.engine.gain import GainMeter
+from edgespec.head.engine.none import NoneRounds
+from edgespec.head.engine.round import _op_from_core, _Round, sampling_config
+from edgespec.head.engine.stats import GenerationStats
+from edgespec.head.engine.sync import SyncRounds
 from edgespec.spec.drafters import Drafter, DraftTree
 from edgespec.wire import KvOp, KvOpCode
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("edgespec.spec.engine")
 
 MODES = ("none", "sync", "flow", "auto")
 
 
-@dataclass
-class GenerationStats:
-    """What one generation cost and gained."""
-
-    mode: str = "none"
-    prompt_tokens: int = 0
-    prefill_tokens: int = 0  # prompt tokens actually computed (the rest came from KV reuse)
-    tokens: int = 0
-    laps: int = 0  # verification results consumed (segments in flow mode)
-    rounds: int = 0  # trees decided
-    accepted_hist: Counter = field(default_factory=Counter)  # tokens gained per round -> count
-    draft_s: float = 0.0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    rows_sent: int = 0
-    rows_pruned: int = 0
-    budget: int = 0
-    segment: int = 0
-    recoveries: int = 0  # ring rebuilds after a node loss during this generation
-    plain_rounds: int = 0  # rounds decoded as a plain lap (no tree): all of them in mode none
-    probes: int = 0  # flow: trials of tree rounds after drafting had stopped paying
-    # Plain laps: time from handing the batch to the chain to its result. What is left of
-    # decode_s (in mode none) is the head's own work per token: engine, API, caller.
-    plain_wait_s: float = 0.0
-
-    def merged(self, earlier: GenerationStats | None) -> GenerationStats:
-        """These statistics with an earlier part of the same generation added in."""
-        if earlier is None:
-            return self
-        out = GenerationStats(**{**self.__dict__, "accepted_hist": Counter(self.accepted_hist)})
-        out.accepted_hist.update(earlier.accepted_hist)
-        out.prompt_tokens = earlier.prompt_tokens
-        for name in ("prefill_tokens", "laps", "rounds", "draft_s", "prefill_s", "decode_s",
-                     "rows_sent", "rows_pruned", "recoveries", "plain_rounds", "probes",
-                     "plain_wait_s"):
-            setattr(out, name, getattr(out, name) + getattr(earlier, name))
-        return out
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.decode_s if self.decode_s > 0 else 0.0
-
-    @property
-    def mean_accepted(self) -> float:
-        """Mean tokens gained per round (accepted draft tokens + the bonus token)."""
-        n = sum(self.accepted_hist.values())
-        return sum(k * v for k, v in self.accepted_hist.items()) / n if n else 0.0
-
-    def as_dict(self) -> dict:
-        return {
-            "mode": self.mode, "prompt_tokens": self.prompt_tokens,
-            "prefill_tokens": self.prefill_tokens, "tokens": self.tokens, "laps": self.laps,
-            "rounds": self.rounds, "mean_accepted_per_round": round(self.mean_accepted, 3),
-            "accepted_hist": dict(sorted(self.accepted_hist.items())),
-            "draft_ms": round(self.draft_s * 1e3, 2), "prefill_ms": round(self.prefill_s * 1e3, 2),
-            "decode_ms": round(self.decode_s * 1e3, 2),
-            "tokens_per_s": round(self.tokens_per_s, 3), "rows_sent": self.rows_sent,
-            "rows_pruned": self.rows_pruned, "budget": self.budget, "segment": self.segment,
-            "recoveries": self.recoveries, "plain_rounds": self.plain_rounds,
-            "probes": self.probes,
-            "plain_lap_ms": round(self.plain_wait_s * 1e3 / self.plain_rounds, 2)
-            if self.plain_rounds else None,
-        }
-
-
-class CostModel:
-    """Chooses the tree budget for the most tokens per second.
-
-    Expected tokens per round for a budget B follow from measured per-rank acceptance: a child
-    ranked r among its siblings (by draft score) matches the target with probability a_r
-    (counted online, with a prior). Under that model the best tree of B nodes holds the B most
-    likely paths, so E[accepted](B) is the sum of the B largest path probabilities (the greedy
-    solution of Sequoia's tree-shape problem). Lap time is a + b*rows, fitted online from the
-    chain's measured laps (seeded from profiling when given); drafting time per node likewise.
-    """
-
-    RANKS = 4
-
-    def __init__(self, lap_ms: tuple[float, float] = (60.0, 2.0), draft_ms_per_node: float = 0.05,
-                 budgets: Sequence[int] = (4, 8, 16, 32, 64)) -> None:
-        self.hits = np.array([6.0, 2.0, 1.0, 0.5])  # prior: 60% top-1, ...
-        self.tries = np.full(self.RANKS, 10.0)
-        self.lap_a, self.lap_b = lap_ms
-        self.draft_ms = draft_ms_per_node
-        self.budgets = tuple(budgets)
-        self._obs: list[tuple[int, float]] = []
-
-    def acceptance(self) -> np.ndarray:
-        return self.hits / self.tries
-
-    def observe_rank(self, rank: int | None, n_children: int) -> None:
-        """One verification step: the target matched the child of ``rank`` (0-based) among
-        ``n_children`` drafted children, or none of them (rank None)."""
-        for r in range(min(n_children, self.RANKS)):
-            if rank is not None and r > rank:
-                break
-            self.tries[r] += 1
-            if rank == r:
-                self.hits[r] += 1
-
-    def observe_lap(self, rows: int, ms: float) -> None:
-        self._obs.append((rows, ms))
-        self._obs = self._obs[-64:]
-        xs = np.array([o[0] for o in self._obs], float)
-        ys = np.array([o[1] for o in self._obs], float)
-        if len(set(xs.tolist())) >= 2:
-            b, a = np.polyfit(xs, ys, 1)
-            self.lap_a, self.lap_b = max(a, 0.1), max(b, 0.0)
-        elif len(xs):
-            self.lap_a = float(ys.mean()) - self.lap_b * float(xs.mean())
-
-    def expected_tokens(self, budget: int) -> float:
-        """E[tokens per round] = E[accepted draft tokens] + 1 bonus, for the best B-node tree."""
-        a = self.acceptance()
-        heap = [(-a[r], r, 1) for r in range(self.RANKS)]  # (-prob, rank, depth)
-        heapq.heapify(heap)
-        total = 0.0
-        for _ in range(budget):
-            if not heap:
-                break
-            negp, _r, d = heapq.heappop(heap)
-            p = -negp
-            total += p
-            if d < 32:
-                for r in range(self.RANKS):
-                    heapq.heappush(heap, (-(p * a[r]), r, d + 1))
-        return total + 1.0
-
-    def observe_draft(self, nodes: int, ms: float) -> None:
-        if nodes > 0:
-            self.draft_ms = 0.8 * self.draft_ms + 0.2 * (ms / nodes)
-
-    def rate(self, budget: int) -> float:
-        """Predicted tokens per millisecond with a tree of ``budget`` drafted nodes."""
-        ms = self.lap_a + self.lap_b * (budget + 1) + self.draft_ms * budget
-        return (self.expected_tokens(budget) if budget else 1.0) / ms
-
-    def choose(self) -> int:
-        """The budget with the best predicted rate; 0 means drafting does not pay (plain
-        decoding, one token per lap, beats every tree at the measured acceptance)."""
-        best = max(self.budgets, key=self.rate)
-        return best if self.rate(best) > self.rate(0) else 0
-
-
-@dataclass
-class _Round:
-    """State of one tree (lap id) while its segments are in flight."""
-
-    lap: int
-    tree: core.TokenTree
-    verifier: core.Verification | None
-    outstanding: set[int] = field(default_factory=set)  # segment ids not yet answered
-    sent_rows: int = 0
-    next_segment: int = 0
-    t0: float = 0.0
-    expansions: int = 0
-    seg_rows: dict[int, tuple[int, int]] = field(default_factory=dict)
-    streamed: int = 0  # accepted tokens already handed out before the round's decision
-    verified_rows: int = 0  # rows [0, verified_rows) were fed to the verifier
-    frontier: int = 0  # deepest accepted node so far (flow: expansion goes below it)
-    frontier_tokens: list[int] = field(default_factory=list)  # accepted tokens down to it
-
-
-class SpecEngine:
+class SpecEngine(NoneRounds, SyncRounds, FlowRounds):
     """Drives generations over a ``Chain``; owns the committed history (KV sequence 0)."""
 
     def __init__(self, chain: Chain, *, drafter: Drafter | None = None, n_ctx: int = 4096,
@@ -400,49 +240,6 @@ class SpecEngine:
 
     # ------------------------------------------------------------------ none
 
-    def _rounds_none(self, root: int, sampling: Sampling) -> Iterator[list[int]]:
-        while True:
-            gained = self._plain_round(root, sampling, tell_drafter=False)
-            root = gained[-1]
-            yield gained
-
-    # ------------------------------------------------------------------ trees
-
-    PROBE_EVERY = 8  # plain rounds between two probing trees, so acceptance stays measured
-
-    def _budget(self) -> int:
-        """Sync mode: nodes in the next tree (0: a plain round), from the cost model."""
-        b = self.fixed_budget or self.cost.choose()
-        if b == 0:
-            self._plain_rounds += 1
-            if self._plain_rounds >= self.PROBE_EVERY:
-                self._plain_rounds = 0
-                b = min(self.cost.budgets)
-        self.stats.budget = b
-        self._log_choice("sync", budget=b)
-        return b
-
-    #: FlowSpec rows per segment when the budget is automatic. Measured with the 1.5B target
-    #: and 0.5B draft on 4 stages at 10 ms per hop (4 HumanEval prompts, x none): 1 row 1.89,
-    #: 2 rows 2.03, 3 rows 2.03, 4 rows 1.93. Two rows cost a stage 84 ms of decode instead
-    #: of 2 x 50 ms on this CPU; bigger segments keep the ring waiting for the drafter.
-    FLOW_SEGMENT = 2
-
-    def _flow_segment(self) -> int:
-        """Flow mode: rows per segment (0: a plain round). An explicit budget is spread over
-        the stages; otherwise FLOW_SEGMENT while tree rounds measurably beat plain laps
-        (``GainMeter``: a trial per generation, then probes that back off), else plain laps.
-        How far ahead to draft follows the measured acceptance (_ahead_limit)."""
-        if self.fixed_budget:
-            seg = self._segment_size(self.fixed_budget)
-        else:
-            seg = self.FLOW_SEGMENT if self.gain.want_tree() else 0
-            self.stats.probes = self.gain.probes
-        self.stats.segment = seg
-        self.stats.budget = self._ahead_limit() if seg else 0
-        self._log_choice("flow", segment=seg, ahead=self.stats.budget)
-        return seg
-
     def _log_choice(self, mode: str, **choice: int) -> None:
         """Log the cost model's tree sizing whenever it changes."""
         key = (mode, tuple(sorted(choice.items())))
@@ -453,33 +250,6 @@ class SpecEngine:
                      ", ".join(f"{k} {v}" for k, v in choice.items()),
                      float(self.cost.acceptance()[0]), self.cost.lap_a, self.cost.lap_b,
                      self.cost.draft_ms)
-
-    def _plain_round(self, root: int, sampling: Sampling, tell_drafter: bool = True
-                     ) -> list[int]:
-        """One token, no tree: mode ``none``, or a tree mode whose cost model found that
-        drafting does not pay right now (then the drafter still learns the token)."""
-        pos = len(self.history)
-        t = time.perf_counter()
-        self._submit(Batch(np.array([root], np.int32), np.array([pos], np.int32), [[0]],
-                           np.zeros(1, np.int32), np.ones(1, bool), lap=self._new_lap(),
-                           sampling=sampling))
-        res = self.chain.next_result()
-        waited = time.perf_counter() - t
-        self.cost.observe_lap(1, waited * 1e3)
-        self.stats.plain_wait_s += waited
-        self.stats.laps += 1
-        self.stats.rounds += 1
-        self.stats.plain_rounds += 1
-        self.stats.accepted_hist[1] += 1
-        self._commit([root])
-        token = int(res.targets[0])
-        if self.listeners:
-            self._emit({"e": "plain", "lap": int(res.lap), "root": int(root), "token": token})
-        if tell_drafter and self.drafter is not None:
-            td = time.perf_counter()
-            self.drafter.accept([token])
-            self.stats.draft_s += time.perf_counter() - td
-        return [token]
 
     def _draft_into(self, tree: core.TokenTree, under_node: int, dt: DraftTree) -> None:
         """Add a drafter's nodes below ``under_node`` (add_nodes: a parent >= 0 is a tree
@@ -571,197 +341,6 @@ class SpecEngine:
             rank = kids.index(nxt) if nxt is not None else None
             self.cost.observe_rank(rank, len(kids))
 
-    def _rounds_sync(self, root: int, sampling: Sampling) -> Iterator[list[int]]:
-        while True:
-            budget = self._budget()
-            if budget == 0:
-                gained = self._plain_round(root, sampling)
-                root = gained[-1]
-                yield gained
-                continue
-            rnd = self._new_tree(root, sampling, budget)
-            self._send_rows(rnd, sampling, 1)
-            res = self.chain.next_result()
-            self.stats.laps += 1
-            self.cost.observe_lap(rnd.sent_rows, (time.perf_counter() - rnd.t0) * 1e3)
-            decision = rnd.verifier.feed_targets(res.targets, 0, rows=res.nodes)
-            if decision.status != core.ACCEPTED:
-                raise RuntimeError("whole-tree verification did not reach a decision")
-            gained = self._finish_round(rnd, decision)
-            root = gained[-1]
-            yield gained
-
-    def _segment_size(self, budget: int) -> int:
-        """Rows per FlowSpec segment for an explicit budget: spread over the stages (or over
-        ``segments``)."""
-        n = self.fixed_segments or max(1, self.chain.n_stages)
-        return max(1, math.ceil(budget / n))
-
-    def _rounds_flow(self, root: int, sampling: Sampling) -> Iterator[list[int]]:
-        stale = self._stale  # lap -> results still to come from decided trees
-        gain = self.gain
-        while True:
-            seg = self._flow_segment()
-            t_round = time.perf_counter()
-            if seg == 0:
-                self._drain_stale()  # a plain lap reads the next result: make it its own
-                t = time.perf_counter()
-                gain.charge_tree(t - t_round)  # the last tree's rows still in flight
-                gained = self._plain_round(root, sampling)
-                root = gained[-1]
-                yield gained
-                gain.record_plain(time.perf_counter() - t)
-                continue
-            # Start the ring on the first segment at once; the rest of the tree is drafted
-            # while that segment is in flight (below).
-            rnd = self._new_tree(root, sampling, seg)
-            rnd_chain = self.chain
-            self._send_rows(rnd, sampling, 1)
-            decision = None
-            ready: dict[int, object] = {}  # segment -> result, fed in segment order
-            next_seg = 0
-            streamed = 0  # accepted tokens of this round already handed out
-            try:
-                while decision is None:
-                    # Never wait idle: while no result is back, draft further below the
-                    # accepted frontier and inject it (dynamic expansion).
-                    if not self.chain.has_result() and self._draft_ahead(rnd, sampling, seg):
-                        continue
-                    res = self.chain.next_result()
-                    self.stats.laps += 1
-                    if res.lap != rnd.lap:
-                        stale[res.lap] -= 1  # a decided tree's segment: already pruned
-                        continue
-                    rnd.outstanding.discard(res.segment)
-                    ready[res.segment] = res
-                    # A fully pruned segment may answer early (from the stage that dropped
-                    # it); the verifier takes rows in order, so feed contiguous segments only.
-                    while decision is None and next_seg in ready:
-                        r = ready.pop(next_seg)
-                        a, b = rnd.seg_rows[next_seg]
-                        next_seg += 1
-                        rnd.verified_rows = b
-                        d = rnd.verifier.feed_targets(r.targets, a, rows=r.nodes)
-                        if d.status == core.ACCEPTED:
-                            decision = d
-                        else:
-                            self._prune(rnd, d)
-                            # A pending decision's tokens are final: stream them now.
-                            if len(d.tokens) > streamed:
-                                new = [int(t) for t in d.tokens[streamed:]]
-                                streamed = rnd.streamed = len(d.tokens)
-                                yield new
-                    if decision is None and not rnd.outstanding and next_seg not in ready:
-                        raise RuntimeError("flow verification stalled: no segment in flight")
-            except GeneratorExit:
-                # The caller has all it wants in the middle of a round: forget the round
-                # (nothing of it was committed) and drop its rows everywhere. (Unless the
-                # chain was replaced after a failure: then there is nothing to clean.)
-                if self.chain is not rnd_chain:
-                    raise
-                if rnd.outstanding:
-                    stale[rnd.lap] += len(rnd.outstanding)
-                self.chain.prune(range(rnd.sent_rows), (), lap=rnd.lap)
-                self._pending_ops.append(KvOp(KvOpCode.KEEP, 0))
-                raise
-            # (No observe_lap here: a flow round overlaps many segments, so its duration is
-            # not the lap time the sync-mode model needs.)
-            if rnd.outstanding:
-                # Everything still in flight belongs to a decided tree: drop it on the way.
-                stale[rnd.lap] += len(rnd.outstanding)
-                self.chain.prune(range(rnd.sent_rows), (), lap=rnd.lap)
-            gained = self._finish_round(rnd, decision)
-            root = gained[-1]
-            yield gained[streamed:]
-            gain.record_tree(len(gained), time.perf_counter() - t_round)
-
-    def _prune(self, rnd: _Round, d) -> None:
-        """After a partial decision: drop rows off the accepted path from batches still in
-        flight, and move the round's frontier down the accepted path."""
-        alive_before = rnd.tree.alive()[: rnd.tree.n_rows].copy()
-        plan = rnd.tree.prune(d)
-        dead = np.flatnonzero(alive_before & ~rnd.tree.alive()[: rnd.tree.n_rows])
-        if len(dead):
-            # Rows die at once everywhere (direct message); their seqs are freed in ring
-            # order (pre_ops of the next batch), behind any of their rows still in flight.
-            self.chain.prune(dead.tolist(), (), lap=rnd.lap)
-            self.stats.rows_pruned += len(dead)
-            self._pending_ops.extend(_op_from_core(op) for op in np.asarray(plan.ops).reshape(-1, 5))
-        rnd.frontier = int(d.path[-1])
-        rnd.frontier_tokens = [int(t) for t in d.tokens]
-        if self.listeners:
-            self._emit({"e": "verify", "lap": rnd.lap, "accepted": [int(r) for r in d.path],
-                        "rejected": dead.tolist()})
-
-    #: Draft ahead only while the next row is at least this likely to be needed: by the
-    #: measured top-1 acceptance (_ahead_limit) and by the draft's own odds of the path to it.
-    #: (10 ms hops, 4 prompts, x none: 0.15 -> 1.89, 0.3 -> 1.89, 0.5 -> 1.79.)
-    AHEAD_MIN_P = 0.3
-    #: Draft ahead along the likeliest leaf only (a chain), not best-first over the whole
-    #: subtree: siblings were wasted rows more often than saved laps (10 ms hops, 4 prompts,
-    #: 1-row segments: 1.89x none with chains, 1.81x best-first, which pruned 43% of the rows
-    #: on the worst prompt).
-    AHEAD_CHAIN = True
-
-    def _ahead_limit(self) -> int:
-        """Unverified rows worth having in flight: the depth k at which a chain of top-1 draft
-        guesses, each accepted with the measured rate a, is still wholly accepted with
-        probability a**k >= AHEAD_MIN_P (a deeper row is more likely wasted work than not)."""
-        a = float(min(max(self.cost.acceptance()[0], 1e-3), 0.999))
-        return max(1, min(self.max_depth, int(math.log(self.AHEAD_MIN_P) / math.log(a))))
-
-    def _draft_ahead(self, rnd: _Round, sampling: Sampling, seg: int) -> bool:
-        """Draft up to ``seg`` more nodes below the round's accepted frontier and send them as
-        one segment, unless enough unverified rows are in flight already or the caller wants
-        no more tokens than those could give. False when nothing was sent."""
-        if self.drafter is None:
-            return False
-        n = rnd.tree.n_rows
-        alive = rnd.tree.alive()[:n].astype(bool)
-        unverified = np.flatnonzero(alive[rnd.verified_rows:]) + rnd.verified_rows
-        ahead = len(unverified)
-        if ahead >= self._ahead_limit() or ahead + 1 >= self._room:
-            return False
-        under, path = rnd.frontier, list(rnd.frontier_tokens)
-        if ahead:
-            parents = rnd.tree.parents()[:n]
-            has_child = np.zeros(n, bool)
-            up = parents[unverified]
-            has_child[up[up >= 0]] = True
-            leaves = unverified[~has_child[unverified]]
-            scores = rnd.tree.scores()
-            best_leaf = max(leaves.tolist(), key=lambda i: float(scores[i]), default=-1)
-            # The draft's own odds that the likeliest leaf in flight is reached from the
-            # frontier: below AHEAD_MIN_P, rows drafted under it are probably wasted.
-            if (best_leaf >= 0 and
-                    math.exp(float(scores[best_leaf]) - float(scores[rnd.frontier]))
-                    < self.AHEAD_MIN_P):
-                return False
-            if self.AHEAD_CHAIN and best_leaf >= 0:
-                tokens = rnd.tree.tokens()
-                below: list[int] = []
-                walk = best_leaf
-                while walk != rnd.frontier and walk >= 0:
-                    below.append(int(tokens[walk]))
-                    walk = int(parents[walk])
-                if walk == rnd.frontier:
-                    under, path = best_leaf, path + below[::-1]
-        td = time.perf_counter()
-        dt = self.drafter.propose_under(path, seg, self.max_depth)
-        spent = time.perf_counter() - td
-        self.stats.draft_s += spent
-        if len(dt) == 0:
-            return False
-        self.cost.observe_draft(len(dt), spent * 1e3)
-        self._draft_into(rnd.tree, under, dt)
-        rnd.tree.select(seg)
-        rnd.expansions += 1
-        before = rnd.sent_rows
-        self._send_rows(rnd, sampling, 1)
-        return rnd.sent_rows > before
-
-
-# ---------------------------------------------------------------------- glue to the core
     def _emit(self, event: dict) -> None:
         """Hand a tree event to every listener; a failing listener never stops decoding."""
         for fn in list(self.listeners):
@@ -769,19 +348,3 @@ class SpecEngine:
                 fn(event)
             except Exception:  # an observer's bug must not end a generation
                 log.exception("tree event listener failed")
-
-
-def sampling_config(s: Sampling) -> core.SamplerConfig:
-    return core.SamplerConfig(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                              seed=s.seed & 0xFFFFFFFFFFFFFFFF)
-
-
-def _op_from_core(op) -> KvOp:
-    kind, a, b, p0, p1 = (int(x) for x in op)
-    if kind == core.SEQ_CP:
-        return KvOp(KvOpCode.CP, a, p0, p1, b)
-    if kind == core.SEQ_RM:
-        return KvOp(KvOpCode.RM, a, p0, p1)
-    if kind == core.SEQ_KEEP:
-        return KvOp(KvOpCode.KEEP, a)
-    raise ValueError(f"unknown core op {kind}")
