@@ -18,7 +18,7 @@ from edgespec.auth import write_key
 from edgespec.errors import RingError
 from edgespec.head.local import LocalNodes
 from edgespec.head.state import load_state
-from edgespec.server import create_app
+from edgespec.server.app import create_app
 
 
 def _cli(args: list[str]) -> subprocess.CompletedProcess:

@@ -33,7 +33,7 @@ from proc_helpers import alive, children
 from ring_fixtures import NEAR_TIE, unsplit_greedy
 
 from edgespec.errors import NodeLost, RequestError, RingBusy, RingError, StageFailure
-from edgespec.server import (
+from edgespec.server.app import (
     _BadRequest,
     _failure,
     _failure_message,

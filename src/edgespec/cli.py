@@ -531,7 +531,7 @@ def _check_port_free(host: str, port: int) -> None:
 def _serve(args: argparse.Namespace) -> int:
     import os
 
-    from edgespec.server import serve
+    from edgespec.server.app import serve
 
     _check_port_free(args.host, args.port)
     with _open_ring(args) as ring:
