@@ -11,9 +11,9 @@ import gguf
 import pytest
 from tinygguf import make_tiny_gguf
 
+from edgespec.head.planner import NodeProfile, model_memory, plan_ring
 from edgespec.llm import llamacpp
 from edgespec.llm.shards import shard_model
-from edgespec.planner import NodeProfile, model_memory, plan_ring
 from edgespec.stage import StageRuntime
 
 N_CTX = 1024

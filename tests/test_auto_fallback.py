@@ -13,7 +13,7 @@ from tinygguf import make_tiny_gguf
 from edgespec.api import Ring
 from edgespec.chain import Sampling
 from edgespec.drafters import Drafter, DraftTree
-from edgespec.spec.engine import SpecEngine
+from edgespec.head.engine import SpecEngine
 
 
 class WrongDrafter(Drafter):

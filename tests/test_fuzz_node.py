@@ -12,10 +12,10 @@ from tinygguf import make_tiny_gguf
 
 from edgespec.api import Ring
 from edgespec.chain import Batch
+from edgespec.head.formation import form_ring
+from edgespec.head.local import LocalNodes
 from edgespec.llm.llamacpp import load_model
 from edgespec.llm.tokenizer import Tokenizer
-from edgespec.local import LocalNodes
-from edgespec.ring import form_ring
 from edgespec.tree.kvop import KvOp
 from edgespec.wire import FieldTag, Kind, Message, control_message, encode_frame
 from edgespec.wire.auth import load_key, write_key

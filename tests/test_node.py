@@ -28,9 +28,12 @@ from tinygguf import make_tiny_gguf
 
 from edgespec.api import Ring
 from edgespec.chain import Batch
+from edgespec.errors import RingError
+from edgespec.head.addresses import pick_address
+from edgespec.head.build import build_head
+from edgespec.head.formation import form_ring
+from edgespec.head.planner import NodeProfile, PlanError, plan_ring
 from edgespec.llm.gguf_read import fingerprint
-from edgespec.planner import NodeProfile, PlanError, plan_ring
-from edgespec.ring import RingError, _head_for, form_ring, pick_address
 from edgespec.tree.kvop import KvOp, KvOpCode
 from edgespec.wire import FieldTag, Kind, Message, auth, control_message, encode_frame
 from edgespec.wire.frames import batch_message
@@ -114,7 +117,7 @@ def ring(tiny_model, keys, tmp_path_factory):
         chain = form_ring([n.address for n in nodes], tiny_model, auth.load_key(keys[0]),
                           ranges=[(0, 2), (2, 4)], n_ctx=512, n_seq_max=4, profile=False,
                           log_fn=lambda s: None)
-        head = _head_for(Ring, chain, tiny_model, spec="none", n_ctx=512)
+        head = build_head(Ring, chain, tiny_model, spec="none", n_ctx=512)
         head.nodes = nodes
         yield head
         head.close()
@@ -443,7 +446,7 @@ def test_planner_range_overrides():
 
 
 def test_pick_address_prefers_the_heads_own_network():
-    from edgespec.ring import _local_networks
+    from edgespec.head.addresses import _local_networks
 
     assert pick_address(["0.0.0.0", "fe80::1%eth0"]) is None
     assert pick_address(["127.0.0.1", "2001:db8::5"]) == "2001:db8::5"

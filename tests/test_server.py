@@ -33,15 +33,10 @@ from proc_helpers import alive, children
 from ring_fixtures import NEAR_TIE, unsplit_greedy
 
 from edgespec.errors import NodeLost, RequestError, RingBusy, RingError, StageFailure
-from edgespec.server import (
-    _BadRequest,
-    _failure,
-    _failure_message,
-    _Gate,
-    _model_names,
-    _sampling_args,
-    parse_request,
-)
+from edgespec.server.app import _model_names
+from edgespec.server.gate import _Gate
+from edgespec.server.replies import _failure, _failure_message
+from edgespec.server.requests import _BadRequest, _sampling_args, parse_request
 
 openai = pytest.importorskip("openai")
 

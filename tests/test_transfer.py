@@ -97,10 +97,10 @@ def test_ring_over_nodes_without_the_model(tmp_path, caplog):
     from tinygguf import make_tiny_gguf
 
     from edgespec.api import Ring
+    from edgespec.head.formation import form_ring
+    from edgespec.head.local import LocalNodes
     from edgespec.llm.llamacpp import load_model
     from edgespec.llm.tokenizer import Tokenizer
-    from edgespec.local import LocalNodes
-    from edgespec.ring import form_ring
 
     model = make_tiny_gguf(tmp_path / "m.gguf", "qwen2", n_layer=4, n_embd=64, seed=5)
     key_file = write_key(tmp_path / "ring.key")

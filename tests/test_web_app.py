@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from tinygguf import make_tiny_gguf
 
 from edgespec.api import Ring
-from edgespec.server import create_app
+from edgespec.server.app import create_app
 
 
 @pytest.fixture(scope="module")

@@ -9,12 +9,11 @@ drafters and the speculative engine, and drives a chain of stages (local, or on 
 ring serves one conversation at a time; its KV cache is reused across calls, so a prompt that
 extends the previous one (a chat's next turn) only prefills its new tokens.
 
-The ``Ring`` is the session that owns a generation, so it owns its failures
-(``edgespec.errors``): a bad request raises ``RequestError`` before anything is sent; a stage
-that fails this request raises ``StageFailure`` after the head resynchronised the ring (the
-next request starts clean, nothing is rebuilt); a lost node makes it re-form the ring and
-replay the generation, at most ``MAX_RECOVERIES`` times in a row, with backoff, before it gives
-up with ``RingError``.
+A bad request raises ``RequestError`` before anything is sent. The failures of the ring under
+a generation are its ``edgespec.head.session.Session``'s: a stage that fails this request
+raises ``StageFailure`` after the ring was resynchronised (the next request starts clean,
+nothing is rebuilt); a lost node makes it re-form the ring and replay the generation, at most
+``MAX_RECOVERIES`` times in a row, with backoff, before it gives up with ``RingError``.
 """
 
 from __future__ import annotations
@@ -22,23 +21,19 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from edgespec.chain import Chain, Sampling
-from edgespec.errors import NodeLost, RequestError, RingError, StageFailure
-from edgespec.spec.engine import GenerationStats, SpecEngine
+from edgespec.errors import RequestError
+from edgespec.head.engine import GenerationStats, SpecEngine
+from edgespec.head.session import Session
 
 log = logging.getLogger("edgespec")
 
 SpecMode = str  # "none" | "sync" | "flow" | "auto"
-
-#: Ring rebuilds tried in a row for one generation before giving up, and the first backoff.
-MAX_RECOVERIES = 3
-RECOVERY_BACKOFF_S = 0.5
 
 
 @dataclass
@@ -100,7 +95,6 @@ class Ring:
                  drafter_factory: Callable[[], Any] | None = None, n_ctx: int = 4096,
                  on_close: Callable[[], None] | None = None, engine_options: Mapping[str, Any]
                  | None = None, recover: Callable[[Exception], Chain] | None = None) -> None:
-        self.chain = chain
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.default_spec = spec
@@ -111,49 +105,20 @@ class Ring:
         self.engine = SpecEngine(chain, drafter=self._drafter, n_ctx=n_ctx,
                                  is_eog=tokenizer.is_eog, **dict(engine_options or {}))
         self.last: Generation | None = None
-        self._recover = recover
-        self.recovery_log: list[dict[str, Any]] = []  # one entry per ring rebuild
+        # Owns the chain and the failures of every generation (retries, resync, replay).
+        self.session = Session(chain, self.engine, recover)
         self.local_nodes: Any = None  # set by Ring.local: its node processes
         self.draft_name: str | None = None  # the draft model's file name, if any
 
-    def _recover_from(self, exc: Exception) -> None:
-        """Rebuild the ring over the nodes still alive and carry on (``recover`` callback).
+    @property
+    def chain(self) -> Chain:
+        """The chain in force (a new one after the ring was re-formed)."""
+        return self.session.chain
 
-        Tries at most MAX_RECOVERIES times, with doubling backoff while nodes are still
-        unreachable; raises RingError saying so when the ring cannot be rebuilt."""
-        assert self._recover is not None
-        t0 = time.perf_counter()
-        log.warning("ring failure: %s; re-planning over the remaining nodes", exc)
-        with contextlib.suppress(Exception):
-            self.chain.close()
-        last: Exception = exc
-        for attempt in range(1, MAX_RECOVERIES + 1):
-            try:
-                self.chain = self._recover(last)
-                break
-            except NodeLost as e:  # another node went, or none answers yet: wait, retry
-                last = e
-                log.warning("recovery attempt %d/%d failed: %s", attempt, MAX_RECOVERIES, e)
-                time.sleep(RECOVERY_BACKOFF_S * 2 ** (attempt - 1))
-            except RingError as e:  # the survivors cannot hold the model, a busy node...
-                raise RingError(f"the ring lost a node ({exc}) and cannot be re-formed: "
-                                f"{e}") from e
-        else:
-            raise RingError(f"the ring lost a node and could not be re-formed after "
-                            f"{MAX_RECOVERIES} attempts: {last}") from last
-        self.engine.replace_chain(self.chain)
-        took = time.perf_counter() - t0
-        self.recovery_log.append({"error": str(exc), "seconds": round(took, 3),
-                                  "stages": self.chain.n_stages})
-        log.warning("ring recovered in %.2f s with %d stage(s)", took, self.chain.n_stages)
-
-    def _resync(self) -> None:
-        """After a stage failed this head's work: forget what is in flight and start the next
-        generation from an empty KV cache on every stage (the ring itself is fine)."""
-        abandon = getattr(self.chain, "abandon", None)
-        if abandon is not None:
-            abandon()
-        self.engine.replace_chain(self.chain)
+    @property
+    def recovery_log(self) -> list[dict[str, Any]]:
+        """One entry per ring rebuild: the error, seconds taken, stages after."""
+        return self.session.recovery_log
 
     # ---------------------------------------------------------------- construction
 
@@ -176,27 +141,27 @@ class Ring:
         emulator on every connection), and engine settings ``budget``, ``segments``,
         ``max_depth``.
         """
-        from edgespec import local as _local
+        from edgespec.head.build import open_local_ring
 
-        return _local.open_local_ring(cls, model, stages, draft=draft, spec=spec, n_ctx=n_ctx,
+        return open_local_ring(cls, model, stages, draft=draft, spec=spec, n_ctx=n_ctx,
                                       processes=processes, verbose=verbose,
                                       **kwargs)
 
     @classmethod
     def attach(cls, state: str | Path | None = None, **kwargs: Any) -> Ring:
         """Attach to the ring brought up by ``edgespec ring up`` (its saved state file)."""
-        from edgespec import ring as _ring
+        from edgespec.head.build import attach
 
-        return _ring.attach(cls, state, **kwargs)
+        return attach(cls, state, **kwargs)
 
     @classmethod
     def up(cls, model: str | Path = "qwen2.5-coder-0.5b", nodes: str = "auto", *,
            key: str | Path | None = None, **kwargs: Any) -> Ring:
         """Discover nodes (``nodes="auto"``: mDNS; or ``"host:port,..."``), plan, load and
         connect a ring, and return its head."""
-        from edgespec import ring as _ring
+        from edgespec.head.build import up
 
-        return _ring.up(cls, model, nodes, key=key, **kwargs)
+        return up(cls, model, nodes, key=key, **kwargs)
 
     # ---------------------------------------------------------------- generation
 
@@ -268,54 +233,32 @@ class Ring:
                 tokens: list[int] = []
                 finish = "length"
                 done = False
-                previous: GenerationStats | None = None
-                while not done:
-                    # After a node loss the generation resumes on the rebuilt ring from exactly
-                    # where it was: prompt + tokens so far, recomputed as first decoded.
-                    run = self.engine.run(prompt_tokens + tokens,
-                                          max_tokens=max_tokens - len(tokens),
-                                          sampling=sampling, mode=mode, cancel=cancel,
-                                          replay=len(tokens))
-                    try:
-                        for chunk in run:
-                            for t in chunk:
-                                if self.tokenizer.is_eog(t):
-                                    finish, done = "stop", True
-                                    break
-                                tokens.append(t)
-                                text += detok.push(t)
-                                hit = min((i for i in (text.find(s, max(0, emitted - len(s)))
-                                                       for s in stops) if i >= 0), default=-1)
-                                if hit >= 0:
-                                    text = text[:hit]
-                                    finish, done = "stop", True
-                                    break
-                            if done:
+                chunks = self.session.tokens(prompt_tokens, max_tokens=max_tokens,
+                                             sampling=sampling, mode=mode, cancel=cancel)
+                try:
+                    for chunk in chunks:
+                        for t in chunk:
+                            if self.tokenizer.is_eog(t):
+                                finish, done = "stop", True
                                 break
-                            if cancel is not None and cancel.is_set():
-                                finish = "stop"
-                            safe = len(text) - holdback if stops else len(text)
-                            if safe > emitted:
-                                yield text[emitted:safe]
-                                emitted = safe
-                        done = True
-                    except NodeLost as exc:
-                        if self._recover is None:
-                            self._resync()
-                            raise
-                        previous = self.engine.stats.merged(previous)
-                        self._recover_from(exc)
-                        previous.recoveries += 1
-                    except StageFailure:
-                        # This request ends; the ring stays, resynchronised for the next one.
-                        self._resync()
-                        raise
-                    finally:
-                        run.close()
-                    if len(tokens) >= max_tokens:
-                        done = True
-                if previous is not None:
-                    self.engine.stats = self.engine.stats.merged(previous)
+                            tokens.append(t)
+                            text += detok.push(t)
+                            hit = min((i for i in (text.find(s, max(0, emitted - len(s)))
+                                                   for s in stops) if i >= 0), default=-1)
+                            if hit >= 0:
+                                text = text[:hit]
+                                finish, done = "stop", True
+                                break
+                        if done:
+                            break
+                        if cancel is not None and cancel.is_set():
+                            finish = "stop"
+                        safe = len(text) - holdback if stops else len(text)
+                        if safe > emitted:
+                            yield text[emitted:safe]
+                            emitted = safe
+                finally:
+                    chunks.close()  # statistics now cover every ring the generation ran on
                 if len(text) > emitted:
                     yield text[emitted:]
                 stats = self.engine.stats
@@ -406,50 +349,16 @@ class Ring:
         ``hint`` on bringing it back. ``probe``: ask every node for its health now (one
         control round trip each); else only what the head already knows.
 
-        The one source of what the ring looks like: ``edgespec serve``'s ``/v1/ring`` and
-        its web page show exactly this."""
-        chain = self.chain
-        out: dict[str, Any] = {
-            "model": self.model_name, "n_ctx": self.n_ctx, "spec": self.default_spec,
-            "drafter": _drafter_name(self._drafter), "status": "up", "message": None,
-            "hint": None, "recoveries": list(self.recovery_log), "time": time.time()}
-        plan = getattr(chain, "plan", None)
-        members = getattr(chain, "members", None)
-        if plan is None or members is None:  # every window in this process
-            runtimes = getattr(getattr(chain, "worker", None), "runtimes", [])
-            out["stages"] = [{"stage": i, "layers": list(getattr(rt, "layer_range", (0, 0))),
-                              "node": "this process", "address": None, "alive": True,
-                              "backend": None, "free_ram": None, "free_vram": None,
-                              "rtt_ms": None, "batches": None, "busy_s": None}
-                             for i, rt in enumerate(runtimes)]
-            return out
-        health: dict[int, dict] = {}
-        if probe:
-            for i, m in enumerate(members):
-                if m.alive:
-                    with contextlib.suppress(Exception):  # a silent node shows as unknown
-                        health[i] = dict(m.request("health", timeout=2.0).meta)
-        stages = []
-        for w in plan.windows:
-            m = members[w.node]
-            h = health.get(w.node, {})
-            st = (h.get("stages") or {}).get(str(w.stage), {})
-            stages.append({
-                "stage": w.stage, "layers": [w.start, w.stop], "node": m.name,
-                "address": f"{m.address[0]}:{m.address[1]}", "alive": bool(m.alive),
-                "backend": h.get("backend"), "free_ram": h.get("free_ram"),
-                "free_vram": h.get("free_vram"), "rtt_ms": round(m.last_rtt_ms, 3),
-                "batches": st.get("batches"), "busy_s": st.get("busy_s")})
-        out["stages"] = stages
-        lost = sorted({s["node"] for s in stages if not s["alive"]})
-        if lost:
-            hint = ("start `edgespec node` again on those devices, then "
-                    "`edgespec ring rebalance` (or `edgespec ring up`)")
-            if self._recover is not None:
-                hint = ("the next request re-plans the ring over the nodes still up; or "
-                        + hint)
-            out.update(status="down", message=f"lost node(s): {', '.join(lost)}", hint=hint)
-        return out
+        Also the per-node rows ``edgespec ring status`` shows (``nodes``): the one typed view
+        of the ring (``edgespec.head.view``) is what ``ring status --json``, ``/v1/ring`` and
+        its web page show."""
+        from edgespec.head.view import view_of_chain
+
+        view = view_of_chain(self.chain, self.model_name, self.n_ctx, probe=probe,
+                             can_recover=self.session.recover is not None)
+        view.spec, view.drafter = self.default_spec, _drafter_name(self._drafter)
+        view.recoveries = list(self.recovery_log)
+        return view.to_dict()
 
     def add_listener(self, fn: Callable[[dict], None]) -> None:
         """Call ``fn(event)`` on the generating thread for every tree event: rows sent

@@ -1,7 +1,7 @@
 """The engine's view of a ring of stages: batches go in at stage 0, target tokens come out.
 
 A ``Chain`` hides where the stages run: ``LocalChain`` runs them in this process (tests, the
-one-machine path); ``edgespec.ring.RemoteChain`` runs them on nodes over the network. Both obey
+one-machine path); ``edgespec.head.remote.RemoteChain`` runs them on nodes over the network. Both obey
 the same contract, which is what lets the speculative engine stay ignorant of sockets:
 
 - ``submit(batch)``: enqueue a batch; it flows through every stage in submission order.

@@ -7,7 +7,7 @@ every window. Its windows are anything with the :class:`Window` interface: in-pr
 by a :class:`StageProcess` (a child process holding several windows of the model, prima.cpp's
 "k rounds per lap": with 2 processes x 2 windows each, a lap visits each process twice).
 
-The networked ring (edgespec.ring) does the same over sockets; this module is also the reference
+The networked ring (edgespec.head) does the same over sockets; this module is also the reference
 it is tested against.
 """
 

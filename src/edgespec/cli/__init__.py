@@ -117,7 +117,6 @@ def explain(exc: BaseException, args: argparse.Namespace) -> str | None:
     from edgespec.errors import RingError as _RingError
     from edgespec.llm.gguf_read import ShardError
     from edgespec.llm.models import ModelError
-    from edgespec.ring import RingError as _RingStateError
     from edgespec.wire.auth import AuthError, KeyFileError
     from edgespec.wire.transport import TransportError
 
@@ -128,8 +127,7 @@ def explain(exc: BaseException, args: argparse.Namespace) -> str | None:
         return f"{where}{exc}: {_key_hint(args)}"
     if isinstance(exc, _RingError) and isinstance(exc.__cause__, AuthError):
         return f"{exc}: {_key_hint(args)}"
-    if isinstance(exc, (KeyFileError, ModelError, RequestError, ShardError, _RingError,
-                        _RingStateError)):
+    if isinstance(exc, (KeyFileError, ModelError, RequestError, ShardError, _RingError)):
         return str(exc)
     if isinstance(exc, ConnectionRefusedError):
         return (f"nothing accepts connections at {_address_of(exc, args)} (connection "

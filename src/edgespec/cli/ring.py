@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from edgespec.cli.common import _add, _set_help
 
@@ -32,57 +31,31 @@ def _add_node(sub) -> None:
 # ------------------------------------------------------------------------------------ ring
 
 def _ring_up(args: argparse.Namespace) -> int:
+    from edgespec.head.build import find_nodes, ring_up
+    from edgespec.head.remote import head_identity
     from edgespec.llm.models import resolve
     from edgespec.llm.shards import parse_ranges
-    from edgespec.ring import (
-        discover,
-        form_ring,
-        head_identity,
-        load_state,
-        named_nodes,
-        parse_nodes,
-        save_state,
-        state_path,
-        unload_nodes,
-    )
     from edgespec.wire.auth import ensure_key
 
     key = ensure_key(args.key_file)
     model = resolve(args.model)
-    head = head_identity("edgespec ring up")
     if args.nodes == "auto":
         print(f"looking for nodes over mDNS ({args.timeout:.0f} s)...", file=sys.stderr)
-        addrs = discover(args.expect, args.timeout, key, log_fn=print)
+    addrs = find_nodes(args.nodes, key, expect=args.expect, timeout=args.timeout, log_fn=print)
+    if args.nodes == "auto":
         print(f"found {len(addrs)} node(s): " + ", ".join(f"{h}:{p}" for h, p in addrs))
-    else:
-        addrs = parse_nodes(args.nodes)
     ranges = parse_ranges(args.ranges) if args.ranges else None
     if args.plan:
         import json
+        from pathlib import Path
 
         ranges = [tuple(r) for r in json.loads(Path(args.plan).read_text())["ranges"]]
-    previous: list = []
-    if state_path().exists():
-        from edgespec.errors import RingError
-
-        try:
-            previous = named_nodes(load_state())
-        except RingError:
-            previous = []
-    chain = form_ring(addrs, model, key, ranges=ranges, rounds=args.rounds, n_ctx=args.ctx,
-                      encoding=args.activations, profile=not args.no_profile, log_fn=print,
-                      head=head, take_over=args.take_over)
-    try:
-        path = save_state(chain, model, {"encoding": args.activations, "n_ctx": args.ctx,
-                                         "key_file": args.key_file})
-    finally:
-        chain.close()
-    # Nodes of the previous ring that are not in this one give their memory back.
-    dropped = [(n, a) for n, a in previous if a not in addrs]
-    if dropped:
-        print(f"unloading {len(dropped)} node(s) of the previous ring that are not in this one")
-        unload_nodes(dropped, key, head=head, take_over=args.take_over, say=print,
-                     warn=lambda s: print(s, file=sys.stderr))
+    chain, path = ring_up(model, addrs, key, key_file=args.key_file, ranges=ranges,
+                          rounds=args.rounds, n_ctx=args.ctx, encoding=args.activations,
+                          profile=not args.no_profile, head=head_identity("edgespec ring up"),
+                          take_over=args.take_over, log_fn=print,
+                          warn=lambda s: print(s, file=sys.stderr))
+    chain.close()
     print(f"ring is up: {len(chain.plan.windows)} stages on {len(addrs)} node(s); "
           f"state saved to {path}")
     return 0
@@ -93,37 +66,43 @@ def _fmt_gb(v) -> str:
 
 
 def _ring_status(args: argparse.Namespace) -> int:
+    from edgespec.head.state import load_state
+    from edgespec.head.view import view_of_state
     from edgespec.nodeinfo import describe_holder
-    from edgespec.ring import load_state, ring_report
     from edgespec.wire.auth import load_key
 
     state = load_state()
-    key = load_key(args.key_file or state.get("key_file"))
-    rows = ring_report(state, key)
-    wins = state["plan"]["windows"]
-    nodes_in = sum(1 for r in rows if not r["left"])
-    holders = {r["holder"]["id"]: r["holder"] for r in rows if r.get("holder")}
-    print(f"model: {state['model']}")
-    print(f"plan in force: {len(wins)} stage(s) on {nodes_in} node(s)"
+    key = load_key(args.key_file or state.key_file)
+    view = view_of_state(state, key)
+    if args.json:
+        import json
+
+        print(json.dumps(view.to_dict(), indent=2))
+        return 0
+    rows = view.nodes
+    nodes_in = sum(1 for r in rows if not r.left)
+    holders = {r.holder["id"]: r.holder for r in rows if r.holder}
+    print(f"model: {state.model}")
+    print(f"plan in force: {len(state.windows)} stage(s) on {nodes_in} node(s)"
           + (f"; held by {', '.join(describe_holder(h) for h in holders.values())}"
              if holders else "; no head attached"))
     print(f"{'node':<16} {'address':<22} {'layers':<12} {'free RAM':>9} {'RTT ms':>7}  state")
     bad = 0
     for r in rows:
-        layers = ",".join(f"{a}:{b}" for _s, (a, b) in sorted(r["plan"].items())) or "-"
-        rtt = f"{r['rtt_ms']:.2f}" if r["rtt_ms"] is not None else "-"
-        state_txt = r["state"]
-        if r["state"] == "other windows":
-            state_txt += " (" + ",".join(f"{a}:{b}" for a, b in r["held"].values()) + ")"
-        elif r["state"] == "unreachable":
-            state_txt += f" ({r.get('error')})"
-        elif r["state"] == "returned":
+        layers = ",".join(f"{a}:{b}" for _s, (a, b) in sorted(r.plan.items())) or "-"
+        rtt = f"{r.rtt_ms:.2f}" if r.rtt_ms is not None else "-"
+        state_txt = r.state
+        if r.state == "other windows":
+            state_txt += " (" + ",".join(f"{a}:{b}" for a, b in r.held.values()) + ")"
+        elif r.state == "unreachable":
+            state_txt += f" ({r.error})"
+        elif r.state == "returned":
             state_txt += " (answers again: `edgespec ring rebalance` takes it back)"
-        elif r["state"] == "left":
-            state_txt += f" ({r.get('reason') or 'not in the ring'})"
-        if not r["left"] and r["state"] != "loaded":
+        elif r.state == "left":
+            state_txt += f" ({r.reason or 'not in the ring'})"
+        if not r.left and r.state != "loaded":
             bad += 1
-        print(f"{r['name'][:16]:<16} {r['address']:<22} {layers:<12} {_fmt_gb(r['free_ram']):>9}"
+        print(f"{r.name[:16]:<16} {r.address:<22} {layers:<12} {_fmt_gb(r.free_ram):>9}"
               f" {rtt:>7}  {state_txt}")
     if bad:
         print(f"{bad} node(s) of the plan are not serving it: run `edgespec ring rebalance`")
@@ -131,12 +110,14 @@ def _ring_status(args: argparse.Namespace) -> int:
 
 
 def _ring_down(args: argparse.Namespace) -> int:
-    from edgespec.ring import head_identity, load_state, named_nodes, state_path, unload_nodes
+    from edgespec.head.formation import unload_nodes
+    from edgespec.head.remote import head_identity
+    from edgespec.head.state import load_state, state_path
     from edgespec.wire.auth import load_key
 
     state = load_state()
-    key = load_key(args.key_file or state.get("key_file"))
-    nodes = named_nodes(state)
+    key = load_key(args.key_file or state.key_file)
+    nodes = state.named_nodes()
     done = unload_nodes(nodes, key, head=head_identity("edgespec ring down"),
                         take_over=args.take_over, say=print,
                         warn=lambda s: print(s, file=sys.stderr))
@@ -148,29 +129,24 @@ def _ring_down(args: argparse.Namespace) -> int:
 
 
 def _ring_rebalance(args: argparse.Namespace) -> int:
-    from edgespec.ring import (
-        head_identity,
-        load_state,
-        node_addresses,
-        parse_nodes,
-        reform_ring,
-        save_state,
-    )
+    from edgespec.head.addresses import parse_nodes
+    from edgespec.head.formation import reform_ring
+    from edgespec.head.remote import head_identity
+    from edgespec.head.state import load_state, save_state
     from edgespec.wire.auth import load_key
 
     state = load_state()
-    key = load_key(args.key_file or state.get("key_file"))
-    addrs = node_addresses(state)
+    key = load_key(args.key_file or state.key_file)
+    addrs = state.node_addresses()
     if args.nodes:
         addrs += [a for a in parse_nodes(args.nodes) if a not in addrs]
-    chain = reform_ring(addrs, state["model"], key, n_ctx=int(state.get("n_ctx", 4096)),
-                        encoding=state.get("encoding", "f32"), profile=not args.no_profile,
-                        log_fn=print, head=head_identity("edgespec ring rebalance"),
+    chain = reform_ring(addrs, state.model, key, n_ctx=state.n_ctx, encoding=state.encoding,
+                        profile=not args.no_profile, log_fn=print,
+                        head=head_identity("edgespec ring rebalance"),
                         take_over=args.take_over)
     try:
-        path = save_state(chain, state["model"],
-                          {k: state[k] for k in ("encoding", "n_ctx", "key_file") if k in state},
-                          known=addrs, reason="did not answer at rebalance")
+        path = save_state(chain, state.model, state.options, known=addrs,
+                          reason="did not answer at rebalance")
     finally:
         chain.close()
     print(f"ring rebalanced: {len(chain.plan.windows)} stage(s) over {len(chain.members)} "
@@ -209,6 +185,8 @@ def _add_ring(sub) -> None:
     st = _add(rsub, "status", "show the ring as it is: each node's windows, links, memory, "
               "RTT and the head holding it", func=_ring_status)
     st.add_argument("--key-file", default=None, help="ring key")
+    st.add_argument("--json", action="store_true",
+                    help="print the ring view as JSON (the shape `GET /v1/ring` serves)")
     dn = _add(rsub, "down", "unload every node's windows and forget the ring", func=_ring_down)
     dn.add_argument("--key-file", default=None, help="ring key")
     dn.add_argument("--take-over", action="store_true",

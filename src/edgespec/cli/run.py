@@ -47,7 +47,7 @@ class _StoreGiven(argparse.Action):
 
 def _open_ring(args: argparse.Namespace):
     from edgespec.api import Ring
-    from edgespec.ring import state_path
+    from edgespec.head.state import state_path
 
     if args.local is None and state_path().exists():
         return Ring.attach(spec=args.spec, draft=args.draft, draft_quant=args.draft_quant,
@@ -138,7 +138,7 @@ def _check_port_free(host: str, port: int) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
 
-    from edgespec.server import serve
+    from edgespec.server.app import serve
 
     _check_port_free(args.host, args.port)
     with _open_ring(args) as ring:

@@ -1,0 +1,15 @@
+"""The head's side of edgespec (docs/design.md 1, 5): everything the process a user talks to
+runs, apart from what runs on nodes.
+
+- ``remote``: the member RPC (``Member``, ``dial``) and ``RemoteChain``
+- ``formation``: forming, linking, re-forming, re-attaching and unloading a ring
+- ``planner``: layer windows per node
+- ``state``: the ring state file, typed (``RingState``)
+- ``view``: the one typed view of a ring (``ring status``, ``Ring.describe``, ``/v1/ring``)
+- ``addresses``: ``host:port`` lists and mDNS discovery
+- ``local``: node processes on this machine
+- ``build``: the ``Ring`` constructors (up, attach, local) and ``ring up``
+- ``session``: one head's generations and their retries, resync and replay
+
+Nothing is imported here, so importing a submodule loads only what it needs.
+"""

@@ -1,0 +1,244 @@
+"""Building a head: the ``Ring`` constructors (``up``, ``attach``, ``local``) and the one
+place that turns a chain into a head (tokenizer, drafter, engine) and brings a ring up
+(docs/design.md 5.3). ``edgespec ring up`` and ``Ring.up`` both go through ``ring_up``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from edgespec.drafters.factory import make_drafter
+from edgespec.errors import NodeLost, RingError
+from edgespec.head.addresses import discover, parse_nodes
+from edgespec.head.formation import form_ring, reform_ring, unload_nodes
+from edgespec.head.remote import Address, RemoteChain, head_identity
+from edgespec.head.state import load_state, save_state, state_path
+from edgespec.llm import models
+
+log = logging.getLogger("edgespec.ring")
+
+
+def build_head(cls, chain: Any, model: Path, *, spec: str = "auto", draft=None,
+               drafter: str = "auto", n_ctx: int = 4096, on_close=None, recover=None,
+               draft_quant: str = "q4_0", tok_model=None, **engine: Any):
+    """The head (a ``cls``, i.e. ``Ring``) over ``chain``: the model's tokenizer, the drafter
+    and the engine settings ``engine``. ``tok_model``: the vocab-only model when the caller
+    loaded it already (it is closed with the head either way)."""
+    from edgespec.llm.llamacpp import load_model
+    from edgespec.llm.tokenizer import Tokenizer
+
+    own = tok_model is None
+    if tok_model is None:
+        tok_model = load_model(model, vocab_only=True)
+    try:
+        drafter_obj = make_drafter(model, draft, drafter, draft_quant)
+    except BaseException:
+        if own:
+            tok_model.close()
+        raise
+
+    def close() -> None:
+        tok_model.close()
+        if on_close is not None:
+            on_close()
+
+    ring = cls(chain, Tokenizer(tok_model), model_name=Path(model).stem, spec=spec,
+               drafter_factory=lambda: drafter_obj, n_ctx=n_ctx, on_close=close,
+               engine_options=engine, recover=recover)
+    ring.draft_name = Path(draft).name if draft is not None else None
+    return ring
+
+
+def recovering(model: Path, key_bytes: bytes, known: list[Address], head: dict,
+               options: dict, **form: Any) -> Callable[[Exception], RemoteChain]:
+    """The recovery of a saved ring: re-form over the known nodes that answer, and save the
+    plan now in force (``ring status`` shows it; the lost nodes are listed as left)."""
+
+    def recover(exc: Exception) -> RemoteChain:
+        chain = reform_ring(known, model, key_bytes, head=head, profile=False, **form)
+        with contextlib.suppress(OSError):
+            save_state(chain, model, options, known=known, reason=f"lost: {exc}")
+        return chain
+
+    return recover
+
+
+def find_nodes(nodes: str, key_bytes: bytes, *, expect: int | None = None,
+               timeout: float = 5.0, log_fn: Callable[[str], None] = log.warning
+               ) -> list[Address]:
+    """``nodes="auto"``: the nodes found over mDNS that prove the key; else the
+    ``host:port,...`` list."""
+    if nodes == "auto":
+        return discover(expect, timeout, key_bytes, log_fn=log_fn)
+    return parse_nodes(nodes)
+
+
+def ring_up(model_path: Path, addrs: Sequence[Address], key_bytes: bytes, *,
+            key_file: str | os.PathLike[str] | None = None, rounds: int = 1,
+            ranges: Sequence[tuple[int, int]] | None = None, n_ctx: int = 4096,
+            encoding: str = "f32", profile: bool = True, head: dict | None = None,
+            take_over: bool = False, log_fn: Callable[[str], None] = log.info,
+            warn: Callable[[str], None] = log.warning) -> tuple[RemoteChain, Path]:
+    """Form the ring over ``addrs``, save its state, and have the nodes of the previous ring
+    that are not in this one give their memory back. Returns the chain and the state path."""
+    head = head or head_identity()
+    previous: list = []
+    if state_path().exists():
+        with contextlib.suppress(RingError):
+            previous = load_state().named_nodes()
+    chain = form_ring(addrs, model_path, key_bytes, ranges=ranges, rounds=rounds, n_ctx=n_ctx,
+                      encoding=encoding, profile=profile, log_fn=log_fn, head=head,
+                      take_over=take_over)
+    try:
+        path = save_state(chain, model_path, {"encoding": encoding, "n_ctx": n_ctx,
+                                              "key_file": key_file})
+        dropped = [(n, a) for n, a in previous if a not in addrs]
+        if dropped:
+            log_fn(f"unloading {len(dropped)} node(s) of the previous ring that are not in "
+                   f"this one")
+            unload_nodes(dropped, key_bytes, head=head, take_over=take_over, say=log_fn,
+                         warn=warn)
+    except BaseException:
+        chain.close()
+        raise
+    return chain, path
+
+
+def attach(cls, state: str | os.PathLike[str] | None = None, *, key: str | None = None,
+           take_over: bool = False, **kwargs: Any):
+    """A head for the ring saved by ``edgespec ring up``.
+
+    A node that restarted or vanished since is handled like a loss: the ring is re-formed
+    over the nodes that answer (and the state file updated)."""
+    from edgespec.head.formation import attach_chain
+    from edgespec.wire.auth import load_key
+
+    st = load_state(state)
+    key_bytes = load_key(key or st.key_file)
+    head = head_identity()
+    model = Path(st.model)
+    recover = recovering(model, key_bytes, st.node_addresses(), head, st.options,
+                         n_ctx=st.n_ctx, encoding=st.encoding, take_over=take_over)
+    try:
+        chain = attach_chain(st, key_bytes, head=head, take_over=take_over)
+    except NodeLost as e:
+        log.warning("the saved ring is not intact (%s); re-forming it", e)
+        chain = recover(e)
+    return build_head(cls, chain, model, n_ctx=st.n_ctx, recover=recover, **kwargs)
+
+
+def up(cls, model: str | os.PathLike[str], nodes: str = "auto", *, key: str | None = None,
+       expect: int | None = None, timeout: float = 5.0, rounds: int = 1,
+       ranges: Sequence[tuple[int, int]] | None = None, n_ctx: int = 4096,
+       encoding: str = "f32", spec: str = "auto", draft=None, take_over: bool = False,
+       **engine: Any):
+    """Discover (or list) nodes, bring the ring up (``ring_up``), and return its head."""
+    from edgespec.wire.auth import ensure_key
+
+    key_bytes = ensure_key(key)
+    model_path = models.resolve(model)
+    if draft is not None:  # refuse a draft of another family before any node loads anything
+        from edgespec.drafters.tokenizer import check_draft_tokenizer
+
+        check_draft_tokenizer(models.resolve(draft), model_path)
+    head = head_identity()
+    addrs = find_nodes(nodes, key_bytes, expect=expect, timeout=timeout)
+    chain, _path = ring_up(model_path, addrs, key_bytes, key_file=key, rounds=rounds,
+                           ranges=ranges, n_ctx=n_ctx, encoding=encoding, head=head,
+                           take_over=take_over)
+    options = {"encoding": encoding, "n_ctx": n_ctx, "key_file": key}
+    recover = recovering(model_path, key_bytes, list(addrs), head, options, n_ctx=n_ctx,
+                         encoding=encoding, rounds=rounds)
+    return build_head(cls, chain, model_path, spec=spec, draft=draft, n_ctx=n_ctx,
+                      recover=recover, **engine)
+
+
+def open_local_ring(cls, model: str | os.PathLike[str], stages: int, *, draft=None,
+                    spec: str = "auto", n_ctx: int = 4096, processes: bool = True,
+                    verbose: bool = False, drafter: str = "auto",
+                    encoding: str = "f32", threads: int = 1, proxy=None,
+                    ranges=None, rounds: int = 1, draft_quant: str = "q4_0", **engine: Any):
+    """Build a ``Ring`` (class ``cls``) over ``stages`` windows of ``model`` on this host."""
+    from edgespec.llm.gguf_read import read_info
+    from edgespec.llm.llamacpp import load_model, set_verbose
+    from edgespec.llm.shards import even_ranges
+
+    set_verbose(verbose)
+    model_path = models.resolve(model)
+    if draft is not None and drafter != "retrieval":
+        # A draft of another family is refused before any node process starts.
+        from edgespec.drafters.tokenizer import check_draft_tokenizer
+
+        check_draft_tokenizer(models.resolve(draft), model_path)
+    info = read_info(model_path)
+    tok_model = load_model(model_path, vocab_only=True)
+    cleanup: list[Any] = []
+    recover = None
+    nodes = None
+    try:
+        if processes:
+            from edgespec.head.local import LocalNodes
+            from edgespec.wire.auth import load_key, write_key
+
+            tmp = tempfile.TemporaryDirectory(prefix="edgespec-local-")
+            cleanup.append(tmp.cleanup)
+            key_file = write_key(Path(tmp.name) / "ring.key")
+            key = load_key(key_file)
+            nodes = LocalNodes(stages // rounds if rounds > 1 else stages, key_file,
+                               threads=threads, verbose=verbose)
+            cleanup.insert(0, nodes.close)
+            # Every node has read the key by the time it listens: remove it from disk now, so
+            # a head that is killed leaves no key folder behind.
+            tmp.cleanup()
+            rngs = ranges or even_ranges(info.n_layer, stages)
+            quiet = print if verbose else (lambda s: None)
+            head = head_identity()
+            chain = form_ring(nodes.addresses, model_path, key, ranges=rngs,
+                              rounds=rounds, n_ctx=n_ctx, encoding=encoding, profile=False,
+                              proxy=proxy, log_fn=quiet, head=head)
+            cleanup.insert(0, chain.close)
+
+            def recover(_exc: Exception):
+                # Node processes that died are gone for good; the survivors take their layers.
+                live = [a for p, a in zip(nodes.procs, nodes.addresses, strict=True)
+                        if p.poll() is None]
+                return reform_ring(live, model_path, key, n_ctx=n_ctx, encoding=encoding,
+                                   profile=False, proxy=proxy, log_fn=quiet, head=head)
+        else:
+            from edgespec.chain import LocalChain
+            from edgespec.llm.gguf_read import fingerprint
+            from edgespec.llm.shards import cut_window, shard_file_name
+            from edgespec.stage import StageRuntime
+
+            fp = fingerprint(model_path)
+            shard_dir = models.home() / "shards"
+            runtimes = []
+            for a, b in (ranges or even_ranges(info.n_layer, stages)):
+                path = cut_window(model_path, (a, b),
+                                  shard_dir / shard_file_name(a, b, fp, model_path.stem))
+                rt = StageRuntime(path, n_ctx=n_ctx, n_seq_max=256, n_threads=threads)
+                runtimes.append(rt)
+                cleanup.insert(0, rt.close)
+            chain = LocalChain(runtimes, info.n_vocab)
+
+        def on_close() -> None:
+            for fn in cleanup:
+                with contextlib.suppress(Exception):
+                    fn()
+
+        ring = build_head(cls, chain, model_path, spec=spec, draft=draft, drafter=drafter,
+                          n_ctx=n_ctx, on_close=on_close, recover=recover,
+                          draft_quant=draft_quant, tok_model=tok_model, **engine)
+    except BaseException:
+        for fn in [*cleanup, tok_model.close]:
+            with contextlib.suppress(Exception):
+                fn()
+        raise
+    ring.local_nodes = nodes  # the node processes (None when all windows run in-process)
+    return ring

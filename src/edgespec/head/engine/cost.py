@@ -1,0 +1,88 @@
+"""The engine's cost model (docs/design.md 3.8): verification is not free on a CPU, so the
+tree budget comes from measured lap times per batch size and the measured acceptance."""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+import numpy as np
+
+
+class CostModel:
+    """Chooses the tree budget for the most tokens per second.
+
+    Expected tokens per round for a budget B follow from measured per-rank acceptance: a child
+    ranked r among its siblings (by draft score) matches the target with probability a_r
+    (counted online, with a prior). Under that model the best tree of B nodes holds the B most
+    likely paths, so E[accepted](B) is the sum of the B largest path probabilities (the greedy
+    solution of Sequoia's tree-shape problem). Lap time is a + b*rows, fitted online from the
+    chain's measured laps (seeded from profiling when given); drafting time per node likewise.
+    """
+
+    RANKS = 4
+
+    def __init__(self, lap_ms: tuple[float, float] = (60.0, 2.0), draft_ms_per_node: float = 0.05,
+                 budgets: Sequence[int] = (4, 8, 16, 32, 64)) -> None:
+        self.hits = np.array([6.0, 2.0, 1.0, 0.5])  # prior: 60% top-1, ...
+        self.tries = np.full(self.RANKS, 10.0)
+        self.lap_a, self.lap_b = lap_ms
+        self.draft_ms = draft_ms_per_node
+        self.budgets = tuple(budgets)
+        self._obs: list[tuple[int, float]] = []
+
+    def acceptance(self) -> np.ndarray:
+        return self.hits / self.tries
+
+    def observe_rank(self, rank: int | None, n_children: int) -> None:
+        """One verification step: the target matched the child of ``rank`` (0-based) among
+        ``n_children`` drafted children, or none of them (rank None)."""
+        for r in range(min(n_children, self.RANKS)):
+            if rank is not None and r > rank:
+                break
+            self.tries[r] += 1
+            if rank == r:
+                self.hits[r] += 1
+
+    def observe_lap(self, rows: int, ms: float) -> None:
+        self._obs.append((rows, ms))
+        self._obs = self._obs[-64:]
+        xs = np.array([o[0] for o in self._obs], float)
+        ys = np.array([o[1] for o in self._obs], float)
+        if len(set(xs.tolist())) >= 2:
+            b, a = np.polyfit(xs, ys, 1)
+            self.lap_a, self.lap_b = max(a, 0.1), max(b, 0.0)
+        elif len(xs):
+            self.lap_a = float(ys.mean()) - self.lap_b * float(xs.mean())
+
+    def expected_tokens(self, budget: int) -> float:
+        """E[tokens per round] = E[accepted draft tokens] + 1 bonus, for the best B-node tree."""
+        a = self.acceptance()
+        heap = [(-a[r], r, 1) for r in range(self.RANKS)]  # (-prob, rank, depth)
+        heapq.heapify(heap)
+        total = 0.0
+        for _ in range(budget):
+            if not heap:
+                break
+            negp, _r, d = heapq.heappop(heap)
+            p = -negp
+            total += p
+            if d < 32:
+                for r in range(self.RANKS):
+                    heapq.heappush(heap, (-(p * a[r]), r, d + 1))
+        return total + 1.0
+
+    def observe_draft(self, nodes: int, ms: float) -> None:
+        if nodes > 0:
+            self.draft_ms = 0.8 * self.draft_ms + 0.2 * (ms / nodes)
+
+    def rate(self, budget: int) -> float:
+        """Predicted tokens per millisecond with a tree of ``budget`` drafted nodes."""
+        ms = self.lap_a + self.lap_b * (budget + 1) + self.draft_ms * budget
+        return (self.expected_tokens(budget) if budget else 1.0) / ms
+
+    def choose(self) -> int:
+        """The budget with the best predicted rate; 0 means drafting does not pay (plain
+        decoding, one token per lap, beats every tree at the measured acceptance)."""
+        best = max(self.budgets, key=self.rate)
+        return best if self.rate(best) > self.rate(0) else 0

@@ -1,0 +1,34 @@
+"""One drafted tree while its segments are in flight (``_Round``), and the conversions between
+the C++ core's types and the engine's (sampling settings, KV operations)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from edgespec.chain import Sampling
+from edgespec.tree import core
+
+
+@dataclass
+class _Round:
+    """State of one tree (lap id) while its segments are in flight."""
+
+    lap: int
+    tree: core.TokenTree
+    verifier: core.Verification | None
+    outstanding: set[int] = field(default_factory=set)  # segment ids not yet answered
+    sent_rows: int = 0
+    next_segment: int = 0
+    t0: float = 0.0
+    expansions: int = 0
+    seg_rows: dict[int, tuple[int, int]] = field(default_factory=dict)
+    streamed: int = 0  # accepted tokens already handed out before the round's decision
+    verified_rows: int = 0  # rows [0, verified_rows) were fed to the verifier
+    frontier: int = 0  # deepest accepted node so far (flow: expansion goes below it)
+    frontier_tokens: list[int] = field(default_factory=list)  # accepted tokens down to it
+
+
+def sampling_config(s: Sampling) -> core.SamplerConfig:
+    return core.SamplerConfig(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                              seed=s.seed & 0xFFFFFFFFFFFFFFFF)
+

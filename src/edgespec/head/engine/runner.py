@@ -1,0 +1,350 @@
+"""The speculative engine on the head: drafts trees, drives laps through the chain, verifies,
+and plans the KV rollback every stage applies.
+
+Modes (``mode=``):
+
+- ``none``: pipelined autoregressive decoding, one token per lap (the baseline).
+- ``sync``: one drafted tree per lap, verified as a whole on its return.
+- ``flow`` (FlowSpec): the tree goes out in small segments, back to back, so every stage works
+  at once; each segment's targets are verified as they return (step-wise), rows of rejected
+  branches are pruned everywhere (also in flight), and whenever no result is waiting the head
+  drafts further ahead below the accepted frontier and injects that too (dynamic expansion),
+  as far ahead as the measured acceptance makes worthwhile. A round ends where the target's
+  token was not drafted; the next tree starts from it at once.
+- ``auto``: ``flow`` when the chain has several stages and a drafter exists, else ``sync``
+  with a drafter, else ``none``.
+
+Unless the budget is fixed, ``flow`` decodes a tree only while trees measurably pay: each
+generation starts with a short trial, then tree rounds continue only while their tokens per
+second beat a plain lap's, else plain laps (exactly mode ``none``) with probes that back off
+(``GainMeter``). ``sync`` sizes its tree (0: a plain lap) from the cost model, with a probe every
+few plain rounds.
+
+KV discipline (docs/design.md 3): committed tokens live in llama.cpp sequence 0 on every
+stage. A tree's root is the last accepted token, not yet in KV; every tree row carries the
+seq ids of the leaves below it, and each leaf seq first receives the committed prefix. After a
+decision the accepted path is copied into sequence 0 and every other sequence is dropped:
+masked rollback, nothing recomputed. Those operations travel as ``pre_ops`` of the next batch,
+so they reach each stage in order behind the rows they clean up.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+
+import numpy as np
+
+from edgespec.chain import Batch, Chain, Sampling
+from edgespec.drafters.base import Drafter, DraftTree
+from edgespec.head.engine.cost import CostModel
+from edgespec.head.engine.flow import FlowRounds
+from edgespec.head.engine.gain import GainMeter
+from edgespec.head.engine.none import NoneRounds
+from edgespec.head.engine.round import _Round, sampling_config
+from edgespec.head.engine.stats import GenerationStats
+from edgespec.head.engine.sync import SyncRounds
+from edgespec.tree import core
+from edgespec.tree.kvop import KvOp, KvOpCode
+
+log = logging.getLogger("edgespec.head.engine")
+
+MODES = ("none", "sync", "flow", "auto")
+
+
+class SpecEngine(NoneRounds, SyncRounds, FlowRounds):
+    """Drives generations over a ``Chain``; owns the committed history (KV sequence 0)."""
+
+    def __init__(self, chain: Chain, *, drafter: Drafter | None = None, n_ctx: int = 4096,
+                 is_eog: Callable[[int], bool] = lambda t: False, budget: int | None = None,
+                 max_depth: int = 12, segments: int | None = None, prefill_chunk: int = 256,
+                 cost: CostModel | None = None) -> None:
+        self.chain = chain
+        self.drafter = drafter
+        self.n_ctx = n_ctx
+        self.is_eog = is_eog
+        self.fixed_budget = budget
+        self.max_depth = max_depth
+        self.fixed_segments = segments
+        self.prefill_chunk = prefill_chunk
+        self.cost = cost or CostModel()
+        self.gain = GainMeter()
+        self.history: list[int] = []  # tokens committed in KV sequence 0 on every stage
+        self.stats = GenerationStats()
+        # Lap ids name batches on every stage (pruning remembers recent laps): start each head
+        # somewhere random so a new head on the same stages never reuses a recent lap id.
+        self._lap = secrets.randbits(30)
+        # A new head knows nothing of what the stages hold: its first batch starts from an
+        # empty cache (ordered ahead of that batch like any other KV operation).
+        self._pending_ops: list[KvOp] = KvOp.clear()
+        self._stale: Counter = Counter()  # lap -> results of decided trees still in flight
+        self._plain_rounds = 0
+        self._room = 0
+        self._last_choice: tuple | None = None
+        # Observers of tree events (the server's live view); empty: no event is even built.
+        self.listeners: list[Callable[[dict], None]] = []
+
+    # ------------------------------------------------------------------ public
+
+    def reset(self) -> None:
+        """Drop every stage's KV (all sequences) and forget the history."""
+        self._pending_ops = []
+        self.chain.kv(KvOp.clear())
+        self.history = []
+
+    def resolve_mode(self, mode: str) -> str:
+        if mode not in MODES:
+            raise ValueError(f"spec mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if mode == "auto":
+            if self.drafter is None:
+                return "none"
+            return "flow" if self.chain.n_stages > 1 else "sync"
+        if mode in ("sync", "flow") and self.drafter is None:
+            raise ValueError(f"spec={mode!r} needs a drafter; this ring has none")
+        return mode
+
+    def replace_chain(self, chain: Chain) -> None:
+        """Continue on another chain (after a node loss): its stages hold nothing yet."""
+        self.chain = chain
+        self.history = []
+        self._stale.clear()
+        self._pending_ops = KvOp.clear()
+
+    def run(self, prompt: Sequence[int], *, max_tokens: int, sampling: Sampling,
+            mode: str = "auto", cancel: threading.Event | None = None,
+            replay: int = 0) -> Iterator[list[int]]:
+        """Generate after ``prompt``; yields the tokens gained by each round, in order.
+
+        Stops after an end-of-generation token (which is yielded), ``max_tokens`` tokens, or
+        at the next round once ``cancel`` is set. ``replay``: the last ``replay`` tokens before
+        the prompt's last one are recomputed one per batch, as they were first decoded, so a
+        generation resumed on a rebuilt ring sees the same numbers as the original.
+        """
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError("empty prompt: give at least one token")
+        if len(prompt) + max_tokens > self.n_ctx:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) "
+                             f"exceeds the context size {self.n_ctx}")
+        mode = self.resolve_mode(mode)
+        self.stats = GenerationStats(mode=mode, prompt_tokens=len(prompt))
+        self.gain.begin()
+        t0 = time.perf_counter()
+        root = self._prefill(prompt, singles=replay)
+        self.stats.prefill_s = time.perf_counter() - t0
+        if self.drafter is not None and mode != "none":
+            td = time.perf_counter()
+            self.drafter.begin(prompt)
+            self.stats.draft_s += time.perf_counter() - td
+        t1 = time.perf_counter()
+        produced = 0
+        self._room = max_tokens  # tokens the caller still wants (flow stops expanding past it)
+        failed = False
+        rounds = {"none": self._rounds_none, "sync": self._rounds_sync,
+                  "flow": self._rounds_flow}[mode](root, sampling)
+        try:
+            for chunk in rounds:
+                chunk = chunk[: max_tokens - produced]
+                eog = next((i for i, t in enumerate(chunk) if self.is_eog(t)), None)
+                if eog is not None:
+                    chunk = chunk[: eog + 1]
+                produced += len(chunk)
+                self._room = max_tokens - produced
+                self.stats.tokens = produced
+                yield chunk
+                if eog is not None or produced >= max_tokens:
+                    break
+                if cancel is not None and cancel.is_set():
+                    break
+        except GeneratorExit:
+            raise
+        except BaseException:
+            failed = True  # the chain may be gone: do not wait on it
+            raise
+        finally:
+            self.stats.decode_s = time.perf_counter() - t1
+            if not failed:
+                # Close the round generator now (not at garbage collection): a round cut
+                # short registers its batches in flight, which are drained right after.
+                rounds.close()
+                self._flush_ops()
+
+    # ------------------------------------------------------------------ prefill
+
+    def _prefill(self, prompt: list[int], singles: int = 0) -> int:
+        """Bring KV sequence 0 to ``prompt[:-1]``, reusing the longest common prefix with what
+        is already committed; returns the root (the last prompt token, not yet in KV). The
+        last ``singles`` tokens go one per batch (see ``run``'s ``replay``)."""
+        keep = 0
+        limit = min(len(self.history), len(prompt) - 1)
+        while keep < limit and self.history[keep] == prompt[keep]:
+            keep += 1
+        if keep < len(self.history):
+            self._pending_ops.append(KvOp(KvOpCode.RM, 0, keep, -1))
+            del self.history[keep:]
+        todo = prompt[keep:-1]
+        self.stats.prefill_tokens = len(todo) + 1
+        n_bulk = max(0, len(todo) - max(0, singles))
+        chunks = [todo[off: min(off + self.prefill_chunk, n_bulk)]
+                  for off in range(0, n_bulk, self.prefill_chunk)]
+        chunks += [[t] for t in todo[n_bulk:]]
+        start = keep
+        for part in chunks:
+            n = len(part)
+            pos = np.arange(start, start + n, dtype=np.int32)
+            start += n
+            # No row is wanted: prefill only fills KV. Chunks stream back to back through the
+            # stages, so a long prompt is pipelined across the ring.
+            self._submit(Batch(np.array(part, np.int32), pos, [[0]] * n,
+                               np.arange(n, dtype=np.int32), np.zeros(n, bool), lap=self._new_lap()))
+        for _ in chunks:
+            self.chain.next_result()
+        self.history.extend(todo)
+        return prompt[-1]
+
+    # ------------------------------------------------------------------ helpers
+
+    def _new_lap(self) -> int:
+        self._lap = (self._lap + 1) & 0x7FFFFFFF
+        return self._lap
+
+    def _submit(self, batch: Batch) -> None:
+        if self._pending_ops:
+            batch.pre_ops = self._pending_ops + list(batch.pre_ops)
+            self._pending_ops = []
+        self.stats.rows_sent += len(batch)
+        self.chain.submit(batch)
+
+    def _drain_stale(self) -> None:
+        """Consume results of decided trees still in flight, so the next caller of
+        ``next_result`` gets its own."""
+        while sum(self._stale.values()) > 0:
+            res = self.chain.next_result()
+            if self._stale[res.lap] <= 0:
+                raise RuntimeError(f"unexpected result for lap {res.lap} while draining")
+            self._stale[res.lap] -= 1
+        self._stale.clear()
+
+    def _flush_ops(self) -> None:
+        self._drain_stale()
+        if self._pending_ops:
+            ops, self._pending_ops = self._pending_ops, []
+            self.chain.kv(ops)
+
+    def _commit(self, tokens: Sequence[int]) -> None:
+        self.history.extend(int(t) for t in tokens)
+
+    # ------------------------------------------------------------------ none
+
+    def _log_choice(self, mode: str, **choice: int) -> None:
+        """Log the cost model's tree sizing whenever it changes."""
+        key = (mode, tuple(sorted(choice.items())))
+        if key != self._last_choice:
+            self._last_choice = key
+            log.debug("%s sizing: %s (top-1 acceptance %.2f, lap %.1f ms + %.2f ms/row, "
+                     "draft %.1f ms/node)", mode,
+                     ", ".join(f"{k} {v}" for k, v in choice.items()),
+                     float(self.cost.acceptance()[0]), self.cost.lap_a, self.cost.lap_b,
+                     self.cost.draft_ms)
+
+    def _draft_into(self, tree: core.TokenTree, under_node: int, dt: DraftTree) -> None:
+        """Add a drafter's nodes below ``under_node`` (add_nodes: a parent >= 0 is a tree
+        node, -(j+1) is entry j of the same call)."""
+        if len(dt) == 0:
+            return
+        parents = np.where(dt.parents < 0, under_node, -(dt.parents.astype(np.int64) + 1))
+        tree.add_nodes(parents.astype(np.int32), dt.tokens, dt.logprobs.astype(np.float64))
+
+    def _new_tree(self, root: int, sampling: Sampling, budget: int) -> _Round:
+        assert self.drafter is not None
+        tree = core.TokenTree(root, len(self.history))
+        td = time.perf_counter()
+        dt = self.drafter.propose(root, budget, self.max_depth)
+        spent = time.perf_counter() - td
+        self.stats.draft_s += spent
+        self.cost.observe_draft(len(dt), spent * 1e3)
+        self._draft_into(tree, 0, dt)
+        tree.select(budget)
+        return _Round(self._new_lap(), tree, None, t0=time.perf_counter())
+
+    def _send_rows(self, rnd: _Round, sampling: Sampling, n_segments: int) -> None:
+        """Place the tree's pending nodes as rows and send them as ``n_segments`` segments."""
+        ordered = rnd.tree.order()
+        start, stop = int(ordered.start), int(ordered.stop)
+        if stop <= start:
+            return
+        tokens_all, parents_all = rnd.tree.structure()
+        if rnd.verifier is None:
+            rnd.verifier = core.Verification(sampling_config(sampling), rnd.tree.root_pos,
+                                             tokens_all, parents_all)
+        else:
+            rnd.verifier.extend(tokens_all[start:stop], parents_all[start:stop], start)
+        kv = KvOp.rows(ordered.ops)
+        count = max(1, min(n_segments, stop - start))
+        bounds = rnd.tree.segment_bounds(count=count, start=start, stop=stop).tolist()
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+            lay = rnd.tree.layout(a, b)
+            seq_ids = [lay.seq_ids[i, : lay.n_seq[i]].tolist() for i in range(b - a)]
+            seg = rnd.next_segment
+            rnd.next_segment += 1
+            rnd.outstanding.add(seg)
+            rnd.seg_rows[seg] = (a, b)
+            self._submit(Batch(lay.tokens, lay.pos, seq_ids, np.arange(a, b, dtype=np.int32),
+                               np.ones(b - a, bool), lap=rnd.lap, segment=seg, pre_ops=kv,
+                               sampling=sampling))
+            kv = []
+            if self.listeners:
+                self._emit({"e": "rows", "lap": rnd.lap, "segment": seg, "rows": list(zip(
+                    range(a, b), parents_all[a:b].tolist(), tokens_all[a:b].tolist(),
+                    strict=True))})
+        rnd.sent_rows = stop
+
+    def _finish_round(self, rnd: _Round, decision) -> list[int]:
+        """Commit the accepted path into sequence 0 (masked rollback) and return the tokens
+        gained: accepted draft tokens, then the bonus token."""
+        path = [int(r) for r in decision.path]
+        self._observe_acceptance(rnd.tree, path, int(decision.bonus))
+        root_token = int(rnd.tree.root_token)
+        plan = rnd.tree.commit(decision)
+        self._pending_ops.extend(KvOp.rows(plan.ops))
+        tokens = [int(t) for t in plan.tokens]
+        self._commit([root_token, *tokens])
+        gained = [*tokens, int(decision.bonus)]
+        if self.listeners:
+            self._emit({"e": "decide", "lap": rnd.lap, "accepted": path,
+                        "bonus": int(decision.bonus)})
+        self.stats.rounds += 1
+        self.stats.accepted_hist[len(gained)] += 1
+        td = time.perf_counter()
+        if self.drafter is not None:
+            self.drafter.accept(gained)
+        self.stats.draft_s += time.perf_counter() - td
+        return gained
+
+    def _observe_acceptance(self, tree: core.TokenTree, path: list[int], bonus: int) -> None:
+        """Feed the cost model: at each step of the accepted path, which sibling rank (by
+        draft score) held the target's token, if any."""
+        n = tree.n_rows
+        parents = tree.parents()[:n]
+        scores = tree.scores()[:n]
+        alive = tree.alive()[:n]
+        steps = [*path[1:], None]
+        for node, nxt in zip(path, steps, strict=True):
+            kids = np.flatnonzero((parents == node) & alive)
+            if not len(kids):
+                continue
+            kids = kids[np.argsort(-scores[kids], kind="stable")].tolist()
+            rank = kids.index(nxt) if nxt is not None else None
+            self.cost.observe_rank(rank, len(kids))
+
+    def _emit(self, event: dict) -> None:
+        """Hand a tree event to every listener; a failing listener never stops decoding."""
+        for fn in list(self.listeners):
+            try:
+                fn(event)
+            except Exception:  # an observer's bug must not end a generation
+                log.exception("tree event listener failed")

@@ -1,0 +1,71 @@
+"""What one generation did: tokens, laps, acceptance, time (``GenerationStats``)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class GenerationStats:
+    """What one generation cost and gained."""
+
+    mode: str = "none"
+    prompt_tokens: int = 0
+    prefill_tokens: int = 0  # prompt tokens actually computed (the rest came from KV reuse)
+    tokens: int = 0
+    laps: int = 0  # verification results consumed (segments in flow mode)
+    rounds: int = 0  # trees decided
+    accepted_hist: Counter = field(default_factory=Counter)  # tokens gained per round -> count
+    draft_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    rows_sent: int = 0
+    rows_pruned: int = 0
+    budget: int = 0
+    segment: int = 0
+    recoveries: int = 0  # ring rebuilds after a node loss during this generation
+    plain_rounds: int = 0  # rounds decoded as a plain lap (no tree): all of them in mode none
+    probes: int = 0  # flow: trials of tree rounds after drafting had stopped paying
+    # Plain laps: time from handing the batch to the chain to its result. What is left of
+    # decode_s (in mode none) is the head's own work per token: engine, API, caller.
+    plain_wait_s: float = 0.0
+
+    def merged(self, earlier: GenerationStats | None) -> GenerationStats:
+        """These statistics with an earlier part of the same generation added in."""
+        if earlier is None:
+            return self
+        out = GenerationStats(**{**self.__dict__, "accepted_hist": Counter(self.accepted_hist)})
+        out.accepted_hist.update(earlier.accepted_hist)
+        out.prompt_tokens = earlier.prompt_tokens
+        for name in ("prefill_tokens", "laps", "rounds", "draft_s", "prefill_s", "decode_s",
+                     "rows_sent", "rows_pruned", "recoveries", "plain_rounds", "probes",
+                     "plain_wait_s"):
+            setattr(out, name, getattr(out, name) + getattr(earlier, name))
+        return out
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        """Mean tokens gained per round (accepted draft tokens + the bonus token)."""
+        n = sum(self.accepted_hist.values())
+        return sum(k * v for k, v in self.accepted_hist.items()) / n if n else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "mode": self.mode, "prompt_tokens": self.prompt_tokens,
+            "prefill_tokens": self.prefill_tokens, "tokens": self.tokens, "laps": self.laps,
+            "rounds": self.rounds, "mean_accepted_per_round": round(self.mean_accepted, 3),
+            "accepted_hist": dict(sorted(self.accepted_hist.items())),
+            "draft_ms": round(self.draft_s * 1e3, 2), "prefill_ms": round(self.prefill_s * 1e3, 2),
+            "decode_ms": round(self.decode_s * 1e3, 2),
+            "tokens_per_s": round(self.tokens_per_s, 3), "rows_sent": self.rows_sent,
+            "rows_pruned": self.rows_pruned, "budget": self.budget, "segment": self.segment,
+            "recoveries": self.recoveries, "plain_rounds": self.plain_rounds,
+            "probes": self.probes,
+            "plain_lap_ms": round(self.plain_wait_s * 1e3 / self.plain_rounds, 2)
+            if self.plain_rounds else None,
+        }

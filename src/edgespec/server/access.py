@@ -1,0 +1,61 @@
+"""The API key on every endpoint (``serve --api-key``): a bearer token or the page's same-site
+cookie, compared in constant time; a login page for a browser without it."""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+from http.cookies import SimpleCookie
+from typing import Any
+from urllib.parse import unquote
+
+from fastapi.responses import HTMLResponse, Response
+
+from edgespec.server.replies import _error
+
+_LOGIN_PAGE = """<!doctype html><html lang="en"><head><meta charset="utf-8">
+<title>edgespec: API key</title></head><body style="font: 15px system-ui; margin: 3em">
+<h1>edgespec</h1><p>This server needs its API key (<code>edgespec serve --api-key</code>).</p>
+<form id="f"><input id="k" type="password" autofocus placeholder="API key" size="40">
+<button>Open</button></form><script>
+document.getElementById("f").onsubmit = (e) => { e.preventDefault();
+  document.cookie = "edgespec_key=" + encodeURIComponent(document.getElementById("k").value) +
+    "; path=/; SameSite=Strict"; location.reload(); };
+</script></body></html>"""
+
+
+class _KeyCheck:
+    """ASGI middleware: every request must carry the API key, as ``Authorization: Bearer
+    <key>`` (API clients) or the page's ``edgespec_key`` cookie (browsers: a same-site
+    cookie, so other sites cannot use it). Compared in constant time."""
+
+    def __init__(self, app: Any, key: str) -> None:
+        self.app = app
+        self.key = key.encode()
+
+    def _supplied(self, scope: dict) -> bytes:
+        headers = {k.lower(): v for k, v in scope.get("headers", [])}
+        auth = headers.get(b"authorization", b"")
+        if auth[:7].lower() == b"bearer ":
+            return auth[7:].strip()
+        cookie = headers.get(b"cookie")
+        if cookie:
+            jar: SimpleCookie = SimpleCookie()
+            with contextlib.suppress(Exception):
+                jar.load(cookie.decode("latin-1"))
+            if "edgespec_key" in jar:
+                return unquote(jar["edgespec_key"].value).encode()
+        return b""
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or hmac.compare_digest(self._supplied(scope), self.key):
+            await self.app(scope, receive, send)
+            return
+        headers = {"WWW-Authenticate": "Bearer"}
+        if scope.get("path") == "/" and scope.get("method") == "GET":
+            response: Response = HTMLResponse(_LOGIN_PAGE, status_code=401, headers=headers)
+        else:
+            response = _error(401, "missing or wrong API key: send 'Authorization: Bearer "
+                              "<key>'", "invalid_request_error", code="invalid_api_key",
+                              headers=headers)
+        await response(scope, receive, send)

@@ -1,0 +1,253 @@
+"""OpenAI-compatible HTTP server over a ring (`edgespec serve`).
+
+Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``, with
+``stream: true`` as server-sent events (``stream_options.include_usage`` adds a final usage
+chunk), usage counts, stop sequences and errors in OpenAI's shape
+(``{"error": {"message", "type", "param", "code"}}``) for every status, including 404s.
+
+Every request field is checked before the ring sees it (pydantic models in ``requests``): a value
+the ring would refuse (``top_p: 0``, ``temperature: 3``, ``n: 2``) is a 400 naming the field, so a
+caller's mistake never reaches a stage. Failures during a generation map to statuses by what
+they mean (``edgespec.errors``): ``RequestError`` 400, ``StageFailure`` 500 with the stage's
+message, ``RingBusy`` 503 naming the head that holds the ring, ``NodeLost``/``RingError`` (a
+recovery that did not succeed) 503. The ring keeps serving after each. A body over
+``max_body`` bytes (4 MiB by default) is refused with 413 from its ``Content-Length`` before it
+is read; tokenization runs off the event loop, so a huge prompt never stalls ``/health``.
+
+Model names: the served name, the ring's model (the GGUF file's stem), and the ``aliases``
+(e.g. the registry name given to ``--model``, and a path's file name and stem) are all this
+model. Since one model is served, any other name is served too, with a warning in the log
+(as llama-server does), so clients configured with another model id keep working.
+
+``GET /health`` answers at once, whatever the ring is doing::
+
+    {"status": "ok", "model": <served name>, "serving": 0|1, "queued": <waiting requests>,
+     "max_queue": N, "completed": N, "abandoned": N, "rejected": N, "recoveries": N,
+     "viewers": N}
+
+``serving``/``queued``: the request on the ring and those waiting for it; ``completed``,
+``abandoned`` (the client left before its generation ended), ``rejected`` (429: queue full)
+count requests since start; ``recoveries`` counts ring rebuilds after a node was lost;
+``viewers``: web pages following the live view now.
+
+``GET /`` serves a single page (files shipped in the package under ``edgespec/web``: no build
+step, nothing from a CDN): a chat over the endpoints above, the ring drawn live, the token
+tree of the current round as verification decides it, and charts over the session. Its live
+data comes from ``GET /v1/ring`` (JSON: ``Ring.describe()`` plus per-stage compute time per
+batch, the queue, and a record per finished generation) and ``GET /v1/ring/events``
+(server-sent events: ``ring`` snapshots every 3 s, ``tree`` events batched every 0.5 s,
+``gen`` records). The engine builds tree events only while a page is subscribed.
+
+With ``api_key`` every endpoint (the page, its files and its stream included) needs
+``Authorization: Bearer <key>`` or the page's same-site ``edgespec_key`` cookie (the page
+asks for the key); without it, 401.
+
+One ring holds one KV cache, so requests run one at a time in arrival order (a FIFO gate):
+nothing from one request can leak into another's context. The queue is bounded: besides the
+request being served, at most ``max_queue`` wait; one beyond that gets 429 at once instead of
+waiting without end. A client that disconnects stops its generation at the next round (or
+before it starts, if it was still queued), so abandoned requests do not hold the ring. SIGTERM
+or SIGINT stops every generation at its next round (streams end with ``finish_reason:
+"stop"``), so the server exits promptly even mid-answer and the caller closes the ring.
+FastAPI/uvicorn are used because they are the standard ASGI stack for this kind of API.
+
+This module builds the app (routes) and runs it; the parts live beside it: ``requests``
+(request models), ``replies`` (errors and their statuses), ``gate`` (admission), ``streaming``
+(the completion endpoints' generations), ``live`` (the page's live view), ``access`` (the API
+key).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+from collections.abc import Iterable, Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from edgespec.api import Ring
+from edgespec.server.access import _KeyCheck
+from edgespec.server.gate import _Gate, _Inflight
+from edgespec.server.live import _Live, live_events
+from edgespec.server.replies import _error, _failure, _failure_message
+from edgespec.server.requests import _BadRequest
+from edgespec.server.streaming import Completions
+
+log = logging.getLogger("edgespec.server")
+
+#: Request bodies beyond this are refused (413) before they are read: a 4 MiB prompt is
+#: already far beyond any context this server runs.
+MAX_BODY_BYTES = 4 << 20
+
+
+def _model_names(served: str, ring_model: str, aliases: Iterable[str]) -> set[str]:
+    """Every name that means the served model: names as given, and for paths their file
+    name and stem."""
+    names = {served, ring_model, ring_model + ".gguf"}  # the ring's name is the file's stem
+    for a in aliases:
+        if not a:
+            continue
+        names.add(a)
+        p = Path(a)
+        names.update({p.name, p.stem})
+    return names
+
+def _web_files() -> dict[str, tuple[bytes, str]]:
+    """The page's files, shipped in the package (no build step, nothing from a CDN)."""
+    kinds = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
+             ".css": "text/css; charset=utf-8"}
+    out = {}
+    for f in resources.files("edgespec").joinpath("web").iterdir():
+        kind = kinds.get(Path(f.name).suffix)
+        if kind is not None:
+            out[f.name] = (f.read_bytes(), kind)
+    return out
+
+def create_app(ring: Ring, model_name: str, max_queue: int = 16,
+               aliases: Sequence[str] = (), max_body: int = MAX_BODY_BYTES,
+               api_key: str | None = None) -> FastAPI:
+    """The ASGI app serving ``ring`` under ``model_name`` (``aliases``: other names clients
+    may use for it, e.g. the registry name). ``app.state.shutdown()`` stops every generation
+    at its next round and refuses new requests (``serve`` calls it on SIGTERM/SIGINT).
+    ``api_key``: every endpoint, the page and its live stream included, then needs it."""
+    app = FastAPI(title="edgespec", version="1", docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    if api_key:
+        app.add_middleware(_KeyCheck, key=api_key)
+    gate = _Gate(max_queue)
+    inflight = _Inflight()
+    live = _Live(ring)
+    web = _web_files()
+    app.state.live = live
+    app.state.shutdown = inflight.close
+    app.state.gate = gate
+    known_names = _model_names(model_name, ring.model_name, aliases)
+
+    @app.exception_handler(_BadRequest)
+    async def _bad_request(_: Request, exc: _BadRequest) -> JSONResponse:
+        return _error(exc.status, str(exc), "invalid_request_error", code=exc.code,
+                      param=exc.param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Unknown routes and wrong methods answer in OpenAI's shape too, so clients can parse it.
+        return _error(exc.status_code, str(exc.detail), "invalid_request_error")
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        status, kind, code, param = _failure(exc)
+        return _error(status, _failure_message(exc), kind, code=code, param=param)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [
+            {"id": model_name, "object": "model", "created": 0, "owned_by": "edgespec"}]}
+
+    counts = {"completed": 0, "abandoned": 0, "rejected": 0}
+    counts_lock = threading.Lock()
+
+    def count(what: str) -> None:
+        with counts_lock:
+            counts[what] += 1
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        with counts_lock:
+            done = dict(counts)
+        return {"status": "ok", "model": model_name, **gate.state(), **done,
+                "recoveries": len(ring.recovery_log), "viewers": live.subscribers}
+
+    @app.get("/")
+    async def page() -> Response:
+        body, kind = web["index.html"]
+        return Response(body, media_type=kind, headers={"Cache-Control": "no-cache"})
+
+    @app.get("/web/{name}")
+    async def web_file(name: str) -> Response:
+        if name not in web:
+            raise StarletteHTTPException(404, f"no such file: {name}")
+        body, kind = web[name]
+        return Response(body, media_type=kind, headers={"Cache-Control": "no-cache"})
+
+    def _ring_json() -> dict[str, Any]:
+        snap = dict(live.snapshot())
+        snap.update(gate.state())
+        snap["history"] = list(live.history)
+        return snap
+
+    @app.get("/v1/ring")
+    async def ring_state() -> dict[str, Any]:
+        """The ring as ``Ring.describe`` sees it, with live per-stage compute times, the
+        queue, and this server's per-generation records."""
+        return await asyncio.to_thread(_ring_json)
+
+    @app.get("/v1/ring/events")
+    async def ring_events(request: Request) -> Response:
+        """Server-sent events for the page: ``ring`` (the /v1/ring snapshot, at once and
+        every few seconds), ``tree`` (the token tree's events, batched a few times a second)
+        and ``gen`` (a finished generation's record). At most ``MAX_VIEWERS`` at once."""
+        if live.subscribers >= live.MAX_VIEWERS:
+            return _error(503, f"{live.MAX_VIEWERS} pages already follow the live view; close "
+                          "one", "server_error", code="too_many_viewers")
+        return StreamingResponse(live_events(request, live, inflight, _ring_json),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    gens = Completions(ring, model_name, gate=gate, inflight=inflight, live=live, count=count,
+                       max_queue=max_queue, max_body=max_body, known_names=known_names)
+    app.post("/v1/completions")(gens.completions)
+    app.post("/v1/chat/completions")(gens.chat_completions)
+    return app
+
+
+def serve(ring: Ring, model_name: str, host: str = "127.0.0.1", port: int = 8080,
+          max_queue: int = 16, aliases: Sequence[str] = (), api_key: str | None = None
+          ) -> None:
+    """Run the server until SIGINT or SIGTERM, then return (so the caller closes the ring).
+
+    A signal first stops every generation at its next round, so in-flight answers end at
+    once (streams with ``finish_reason: "stop"``) instead of holding the shutdown until they
+    complete; uvicorn's graceful shutdown is bounded as a backstop."""
+    import uvicorn
+
+    app = create_app(ring, model_name, max_queue, aliases=aliases, api_key=api_key)
+    if not api_key and host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("serving on %s without --api-key: anyone who can reach this port can use "
+                    "the ring", host)
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            app.state.shutdown()
+            super().handle_exit(sig, frame)
+
+    # uvicorn shuts down gracefully on these signals and then re-raises the signal into the
+    # handler that was installed before it. With the defaults that is KeyboardInterrupt (a
+    # traceback) or, for SIGTERM, instant death: the caller never closes the ring, and a
+    # local ring's node processes would outlive the server. A no-op handler makes run() simply
+    # return instead.
+    saved: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            saved[sig] = signal.signal(sig, lambda *_: None)
+    try:
+        # Deadlines and caps for the listener: idle keep-alive connections close after 5 s,
+        # open connections are capped (beyond: 503), and a shutdown waits at most 5 s for
+        # responses still being written.
+        config = uvicorn.Config(app, host=host, port=port, log_level="info",
+                                timeout_keep_alive=5, timeout_graceful_shutdown=5,
+                                limit_concurrency=max(64, 2 * max_queue + 32))
+        _Server(config).run()
+    finally:
+        app.state.shutdown()
+        # The generation threads stop at their next round; let them leave the ring before the
+        # caller closes it.
+        app.state.gate.wait_idle(30)
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,289 @@
+"""The completion endpoints' generations: admission, the generation thread, and the answer
+as one JSON body or as server-sent events (OpenAI's chunk format)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from edgespec import errors
+from edgespec.api import Generation, Ring, TextStream
+from edgespec.server.gate import _Gate, _Inflight
+from edgespec.server.live import _Live
+from edgespec.server.replies import _error, _failure, _failure_message
+from edgespec.server.requests import (
+    _BadRequest,
+    _ChatRequest,
+    _CompletionRequest,
+    _sampling_args,
+    parse_request,
+)
+
+log = logging.getLogger("edgespec.server")
+
+#: Legacy completions stop after 16 tokens when max_tokens is omitted (OpenAI's default);
+#: chat completions may use the rest of the context, as OpenAI's do.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+class Completions:
+    """``POST /v1/completions`` and ``/v1/chat/completions``: a request is checked and
+    tokenized off the event loop, waits its turn at the gate, runs in a thread of its own, and
+    answers as one body or as server-sent events; a client that hangs up stops it."""
+
+    def __init__(self, ring: Ring, model_name: str, *, gate: _Gate, inflight: _Inflight,
+                 live: _Live, count: Callable[[str], None], max_queue: int, max_body: int,
+                 known_names: set[str]) -> None:
+        self.ring, self.model_name = ring, model_name
+        self.gate, self.inflight, self.live, self.count = gate, inflight, live, count
+        self.max_queue, self.max_body = max_queue, max_body
+        self.known_names = known_names
+        self.warned_names: set[str] = set()
+
+    async def completions(self, request: Request) -> Any:
+        return await self._run(request, chat=False)
+
+    async def chat_completions(self, request: Request) -> Any:
+        return await self._run(request, chat=True)
+
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, refused with 413 as soon as it is known to exceed ``max_body``: from
+        its Content-Length before reading anything, or while reading a chunked one."""
+        too_big = _BadRequest(f"request body exceeds {self.max_body} bytes",
+                              code="request_too_large", status=413)
+        length = request.headers.get("content-length")
+        if length is not None:
+            if not length.isdigit():
+                raise _BadRequest("invalid Content-Length header")
+            if int(length) > self.max_body:
+                raise too_big
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body:
+                raise too_big
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _check_model(self, name: str | None) -> None:
+        if name is None or name in self.known_names or name in self.warned_names:
+            return
+        self.warned_names.add(name)
+        log.warning("request for model %r: serving %r (the only model here) under that name",
+                    name, self.model_name)
+
+    def _prompt_tokens(self, req: _ChatRequest | _CompletionRequest) -> list[int]:
+        tok = self.ring.tokenizer
+        if isinstance(req, _ChatRequest):
+            msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
+            return tok.chat_tokens(msgs, add_generation_prompt=True)
+        return tok.encode(req.text(), add_special=True, parse_special=False)
+
+    def _usage(self, gen: Generation) -> dict[str, int]:
+        return {"prompt_tokens": gen.stats.prompt_tokens,
+                "completion_tokens": gen.stats.tokens,
+                "total_tokens": gen.stats.prompt_tokens + gen.stats.tokens}
+
+    def _record(self, gen: Generation, ttft: float | None, kind: str) -> None:
+        st = gen.stats
+        self.live.add_generation({
+            "time": time.time(), "kind": kind, "mode": st.mode, "tokens": st.tokens,
+            "prompt_tokens": st.prompt_tokens, "tokens_per_s": round(st.tokens_per_s, 3),
+            "laps": st.laps, "rounds": st.rounds,
+            "tokens_per_lap": round(st.tokens / st.laps, 3) if st.laps else 0.0,
+            "accepted_hist": {str(k): v for k, v in sorted(st.accepted_hist.items())},
+            "ttft_ms": None if ttft is None else round(ttft * 1e3, 1),
+            "finish": gen.finish_reason, "recoveries": st.recoveries})
+
+    def _launch(self, ticket: int, make_stream: Callable[[], TextStream], cancel: threading.Event,
+                max_tokens: int, kind: str = "chat") -> asyncio.Queue:
+        """Run the generation in a thread of its own once its turn comes; pieces, then the
+        ``Generation`` (or the exception), then ``None`` arrive on the returned queue.
+        A thread per request (not the loop's small default pool) so that requests waiting
+        for their turn never starve other work."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+
+        def put(item: Any) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        def produce() -> None:
+            try:
+                self.gate.wait_turn(ticket)
+                if cancel.is_set():  # the client left while queued: skip it entirely
+                    self.count("abandoned")
+                    return
+                t0 = time.perf_counter()
+                ttft = None
+                stream = make_stream()
+                for piece in stream:
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0  # prefill + first round
+                    put(piece)
+                gen = stream.result
+                if gen is not None:
+                    self._record(gen, ttft, kind)
+                # Abandoned: the client hung up and the generation stopped short for it.
+                left = cancel.is_set() and gen is not None and gen.stats.tokens < max_tokens
+                self.count("abandoned" if left else "completed")
+                put(gen)
+            except Exception as exc:  # reported to the client (error body or SSE event)
+                if not isinstance(exc, errors.RequestError):
+                    log.warning("request failed: %s: %s", type(exc).__name__, exc)
+                put(exc)
+            finally:
+                self.inflight.discard(cancel)
+                self.gate.leave()
+                put(None)
+
+        threading.Thread(target=produce, name=f"edgespec-serve-{ticket}", daemon=True).start()
+        return queue
+
+    def _prepare(self, raw: bytes, chat: bool) -> tuple[Any, dict[str, Any], list[int]]:
+        """Validation and tokenization: run in a worker thread, since a large prompt takes
+        a while to tokenize and must not hold up the event loop."""
+        req = parse_request(raw, chat)
+        args = _sampling_args(req)
+        if req.spec is not None:
+            try:  # e.g. "flow" on a ring without a drafter: the caller's choice, not a fault
+                self.ring.engine.resolve_mode(req.spec)
+            except ValueError as exc:
+                raise _BadRequest(str(exc), "spec") from None
+            args["spec"] = req.spec
+        tokens = self._prompt_tokens(req)
+        room = self.ring.n_ctx - len(tokens)
+        if args["max_tokens"] is None:
+            args["max_tokens"] = room if chat else min(COMPLETIONS_DEFAULT_MAX_TOKENS, room)
+        if room < 1 or args["max_tokens"] > room:
+            raise _BadRequest(
+                f"this model's context is {self.ring.n_ctx} tokens; the prompt has {len(tokens)} "
+                f"and max_tokens asks for {args['max_tokens']} more",
+                "messages" if chat else "prompt", code="context_length_exceeded")
+        return req, args, tokens
+
+    async def _run(self, request: Request, chat: bool) -> Any:
+        raw = await self._read_body(request)
+        req, args, tokens = await asyncio.to_thread(self._prepare, raw, chat)
+        self._check_model(req.model)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        cancel = threading.Event()
+        if not self.inflight.add(cancel):
+            return _error(503, "the server is shutting down", "server_error",
+                          code="shutting_down")
+        ticket = self.gate.try_enter()
+        if ticket is None:
+            self.inflight.discard(cancel)
+            self.count("rejected")
+            # Retry-After: OpenAI clients wait this long before their automatic retries.
+            return _error(429, f"server busy: {self.max_queue} requests already queued; retry later",
+                          "rate_limit_exceeded", code="rate_limit_exceeded",
+                          headers={"Retry-After": "1"})
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        queue = self._launch(ticket, lambda: self.ring.stream_tokens(tokens, cancel=cancel, **args),
+                        cancel, args["max_tokens"], "chat" if chat else "completion")
+
+        if req.stream:
+            return StreamingResponse(
+                self._sse(queue, cancel, chat, rid, created, include_usage),
+                media_type="text/event-stream")
+
+        gen: Generation | None = None
+        failure: Exception | None = None
+        getter: asyncio.Task | None = None
+        next_check = time.monotonic() + 0.5
+        try:
+            while True:
+                # Nothing streams back to a plain request, so look for a hang-up every half
+                # second (pieces keep arriving meanwhile, so not only on a quiet queue).
+                if time.monotonic() >= next_check and not cancel.is_set():
+                    next_check = time.monotonic() + 0.5
+                    if await request.is_disconnected():
+                        cancel.set()
+                # One pending get at a time, never cancelled: no item can be lost to a timeout.
+                getter = getter or asyncio.ensure_future(queue.get())
+                done, _ = await asyncio.wait({getter}, timeout=0.5)
+                if not done:
+                    continue
+                item, getter = getter.result(), None
+                if item is None:
+                    break
+                if isinstance(item, Generation):
+                    gen = item
+                elif isinstance(item, Exception):
+                    failure = item
+        finally:
+            if gen is None:
+                cancel.set()
+            if getter is not None:
+                getter.cancel()
+        if failure is not None:
+            status, kind, code, param = _failure(failure)
+            return _error(status, _failure_message(failure), kind, code=code, param=param)
+        if gen is None:
+            return _error(503, "the request was cancelled", "server_error", code="cancelled")
+        if chat:
+            choice = {"index": 0, "finish_reason": gen.finish_reason,
+                      "message": {"role": "assistant", "content": gen.text}}
+        else:
+            choice = {"index": 0, "finish_reason": gen.finish_reason, "text": gen.text,
+                      "logprobs": None}
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion",
+                "created": created, "model": self.model_name, "choices": [choice],
+                "usage": self._usage(gen)}
+
+    async def _sse(self, queue: asyncio.Queue, cancel: threading.Event, chat: bool, rid: str,
+                   created: int, include_usage: bool) -> AsyncIterator[bytes]:
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def event(payload: dict[str, Any]) -> bytes:
+            return f"data: {json.dumps(payload)}\n\n".encode()
+
+        def chunk(delta: str | None, finish: str | None, first: bool = False) -> bytes:
+            if chat:
+                d: dict[str, Any] = {}
+                if first:
+                    d["role"] = "assistant"
+                if delta:
+                    d["content"] = delta
+                choice = {"index": 0, "delta": d, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": delta or "", "finish_reason": finish,
+                          "logprobs": None}
+            return event({"id": rid, "object": obj, "created": created, "model": self.model_name,
+                          "choices": [choice]})
+
+        try:
+            if chat:
+                yield chunk(None, None, first=True)
+            while True:
+                item = await queue.get()
+                if item is None:
+                    break
+                if isinstance(item, Exception):
+                    _, kind, code, param = _failure(item)
+                    yield event({"error": {"message": _failure_message(item), "type": kind,
+                                           "param": param, "code": code}})
+                    continue
+                if isinstance(item, Generation):
+                    yield chunk(None, item.finish_reason)
+                    if include_usage:
+                        yield event({"id": rid, "object": obj, "created": created,
+                                     "model": self.model_name, "choices": [],
+                                     "usage": self._usage(item)})
+                    continue
+                yield chunk(item, None)
+            yield b"data: [DONE]\n\n"
+        finally:
+            # Reached on normal end too (harmless then); on a hang-up it stops the generation.
+            cancel.set()
