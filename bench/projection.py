@@ -58,7 +58,7 @@ def measure_stage_curves(model_path: Path, stages: int, *, rows: Sequence[int] =
     """
     from edgespec.llm.gguf_read import read_info
     from edgespec.llm.shards import even_ranges
-    from edgespec.stage import StageRuntime
+    from edgespec.node.runtime import StageRuntime
 
     info = read_info(model_path)
     rng = np.random.default_rng(0)

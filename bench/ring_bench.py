@@ -431,7 +431,7 @@ def identity(runs: list[dict[str, Any]], target: Path, prompts: list[list[int]],
     if todo:
         import numpy as np
 
-        from edgespec.stage import StageRuntime
+        from edgespec.node.runtime import StageRuntime
 
         need = sorted({(p, k) for p, k, _a, _b in todo})
         log(f"identity: {len(need)} divergence point(s): computing unsplit logit gaps")

@@ -24,8 +24,11 @@ from pathlib import Path
 import numpy as np
 
 from edgespec.llm import llamacpp
-from edgespec.pipeline import LocalPipeline
-from edgespec.stage import StageRuntime
+from edgespec.node.runtime import StageRuntime
+
+# LocalPipeline is test scaffolding (tests/pipeline_fixtures.py), not part of the package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from pipeline_fixtures import LocalPipeline  # noqa: E402
 
 
 def machine_info() -> dict:

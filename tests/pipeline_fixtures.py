@@ -1,14 +1,18 @@
 """A chain of layer windows run one after the other on this machine: the one-machine path.
 
+Over 450 lines: LocalPipeline, StageProcess and its RemoteWindow proxy are one reference
+implementation (and its child-process protocol) that the ring tests compare against.
+
 :class:`LocalPipeline` passes a batch through its windows in layer order (token ids into the
 first, hidden states between windows, logits out of the last) and broadcasts KV operations to
 every window. Its windows are anything with the :class:`Window` interface: in-process
-:class:`~edgespec.stage.StageRuntime` objects, or :class:`RemoteWindow` proxies for windows hosted
+:class:`~edgespec.node.runtime.StageRuntime` objects, or :class:`RemoteWindow` proxies for windows hosted
 by a :class:`StageProcess` (a child process holding several windows of the model, prima.cpp's
 "k rounds per lap": with 2 processes x 2 windows each, a lap visits each process twice).
 
 The networked ring (edgespec.head) does the same over sockets; this module is also the reference
-it is tested against.
+it is tested against. Test and bench scaffolding (tests/, bench/stage_overhead.py), not part of
+the package: nodes run windows through ``edgespec.node``.
 """
 
 from __future__ import annotations
@@ -23,15 +27,15 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
+from stage_host import StageHost
 
 from edgespec.llm.gguf_read import ShardError
 from edgespec.llm.shards import MANIFEST_NAME, Manifest, shard_model
-from edgespec.stage import (
+from edgespec.node.runtime import (
     FingerprintMismatchError,
     InputError,
     SeqIds,
     StageError,
-    StageHost,
     StageRuntime,
     normalize_seq_ids,
 )

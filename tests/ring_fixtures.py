@@ -15,7 +15,7 @@ def unsplit_greedy(model_path: Path, prompt: Sequence[int], n_tokens: int) -> li
     per call): llama.cpp's results depend slightly on batch shape, and "identical" is only
     promised for identical shapes.
     """
-    from edgespec.stage import StageRuntime
+    from edgespec.node.runtime import StageRuntime
 
     out: list[int] = []
     with StageRuntime(model_path, n_ctx=1024, n_seq_max=1, n_threads=1) as rt:
@@ -47,7 +47,7 @@ def assert_same_greedy(got: Sequence[int], ref: Sequence[int], model_path: Path,
     k = next((i for i, (a, b) in enumerate(zip(got, ref, strict=False)) if a != b),
              min(len(got), len(ref)))
     assert k < min(len(got), len(ref)), f"{what}: outputs differ in length only"
-    from edgespec.stage import StageRuntime
+    from edgespec.node.runtime import StageRuntime
 
     seq = list(prompt) + list(ref[:k])
     with StageRuntime(model_path, n_ctx=1024, n_seq_max=1, n_threads=1) as rt:

@@ -10,9 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from pipeline_fixtures import LocalPipeline, StageProcess
 from tinygguf import make_tiny_gguf
-
-from edgespec.pipeline import LocalPipeline, StageProcess
 
 # Ranges used on the real 24-layer model: the 3-window chain reuses shards of the 2- and
 # 4-window sets, so only 6 shards are written per session.

@@ -24,7 +24,7 @@ from edgespec.llm.architectures import ARCHITECTURES, UnsupportedArchitectureErr
 from edgespec.llm.gguf_read import ShardError, read_info
 from edgespec.llm.shards import cut_window, shard_model
 from edgespec.llm.tokenizer import Tokenizer
-from edgespec.stage import StageRuntime
+from edgespec.node.runtime import StageRuntime
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from tinygguf import make_tiny_gguf
 from edgespec.head.planner import NodeProfile, model_memory, plan_ring
 from edgespec.llm import llamacpp
 from edgespec.llm.shards import shard_model
-from edgespec.stage import StageRuntime
+from edgespec.node.runtime import StageRuntime
 
 N_CTX = 1024
 

@@ -11,7 +11,7 @@ import pytest
 from tinygguf import make_tiny_gguf
 
 from edgespec.api import Ring
-from edgespec.chain import Sampling
+from edgespec.batch import Sampling
 from edgespec.drafters import Drafter, DraftTree
 from edgespec.head.engine import SpecEngine
 

@@ -24,7 +24,7 @@ NODE_SCRIPT = textwrap.dedent(
     import logging, signal, sys, threading
     from edgespec import wire
     from edgespec.wire import auth, discovery, server, transport
-    from edgespec.nodeinfo import describe_this_node
+    from edgespec.node.info import describe_this_node
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     name, addr, keyfile = sys.argv[1:4]
     key = auth.load_key(keyfile)
@@ -202,7 +202,7 @@ def _have(cmd: str) -> bool:
 def test_nodeinfo_fingerprints_free_ram_and_backend(tmp_path: Path) -> None:
     import hashlib
 
-    from edgespec import nodeinfo
+    from edgespec.node.daemon import info as nodeinfo
 
     m = tmp_path / "models" / "a.gguf"
     m.parent.mkdir()

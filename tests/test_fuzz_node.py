@@ -11,7 +11,7 @@ import pytest
 from tinygguf import make_tiny_gguf
 
 from edgespec.api import Ring
-from edgespec.chain import Batch
+from edgespec.batch import Batch
 from edgespec.head.formation import form_ring
 from edgespec.head.local import LocalNodes
 from edgespec.llm.llamacpp import load_model

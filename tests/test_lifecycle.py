@@ -113,7 +113,7 @@ def test_stage_error_ends_the_request_not_the_ring(tiny, key_file, prompt, refer
 
 
 def test_a_context_smaller_than_the_tree_pool_is_refused_not_a_crash(tiny):
-    from edgespec.stage import InputError, StageRuntime
+    from edgespec.node.runtime import InputError, StageRuntime
 
     with pytest.raises(InputError, match="n_ctx"):
         StageRuntime(tiny, n_ctx=64, n_seq_max=256, n_threads=1)

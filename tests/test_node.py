@@ -27,7 +27,7 @@ from ring_fixtures import unsplit_greedy
 from tinygguf import make_tiny_gguf
 
 from edgespec.api import Ring
-from edgespec.chain import Batch
+from edgespec.batch import Batch
 from edgespec.errors import RingError
 from edgespec.head.addresses import pick_address
 from edgespec.head.build import build_head

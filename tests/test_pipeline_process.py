@@ -7,12 +7,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from pipeline_fixtures import LocalPipeline
 from stage_fixtures import tiny_dir, tiny_qwen2, two_by_two  # noqa: F401 - fixtures
 from tinygguf import make_tiny_gguf
 
 from edgespec.llm.shards import shard_model
-from edgespec.pipeline import LocalPipeline
-from edgespec.stage import FingerprintMismatchError, InputError, StageRuntime
+from edgespec.node.runtime import FingerprintMismatchError, InputError, StageRuntime
 
 KW = dict(n_ctx=512, n_batch=64, n_threads=1, n_seq_max=4)
 

@@ -196,7 +196,7 @@ FAKE_SCRIPT = textwrap.dedent(
     """
     import socket, sys, threading, time
     from edgespec.wire.discovery import advertise
-    from edgespec.nodeinfo import describe_this_node
+    from edgespec.node.info import describe_this_node
     addr, port = sys.argv[1], int(sys.argv[2])
     srv = socket.socket(); srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     srv.bind(("0.0.0.0", port)); srv.listen(16)

@@ -16,7 +16,7 @@ import pytest
 from scipy import stats
 
 from edgespec.api import Ring
-from edgespec.chain import Sampling
+from edgespec.batch import Sampling
 
 pytestmark = pytest.mark.real_model
 
@@ -29,7 +29,7 @@ def _target_distribution(model_path, prompt: list[int]) -> np.ndarray:
     """The unsplit model's next-token distribution after ``prompt`` as the sampler defines
     it (llama.cpp's order): the nucleus is taken on the model's own probabilities (the most
     likely tokens until their mass reaches top_p), then temperature reshapes it."""
-    from edgespec.stage import StageRuntime
+    from edgespec.node.runtime import StageRuntime
 
     with StageRuntime(model_path, n_ctx=512, n_threads=1) as rt:
         rt.forward(np.asarray(prompt[:-1], np.int32), 0)

@@ -306,7 +306,7 @@ def test_requests_have_no_near_tie(real_model_path):
 
     from edgespec.llm.llamacpp import load_model
     from edgespec.llm.tokenizer import Tokenizer
-    from edgespec.stage import StageRuntime
+    from edgespec.node.runtime import StageRuntime
 
     model = load_model(real_model_path, vocab_only=True)
     try:

@@ -10,7 +10,7 @@ from stage_fixtures import tiny_dir  # noqa: F401  (fixture)
 from tinygguf import make_tiny_gguf
 
 from edgespec.api import Ring
-from edgespec.chain import Sampling
+from edgespec.batch import Sampling
 from edgespec.drafters import DraftModelDrafter, HybridDrafter, RetrievalDrafter
 
 
@@ -100,7 +100,7 @@ def test_sampling_is_plain_sampling(ring, mode):
 
 def test_sampled_first_token_follows_target_distribution(ring, tiny_target):
     """Chi-square: 3000 seeded draws of the first token against the model's softmax."""
-    from edgespec.stage import StageRuntime
+    from edgespec.node.runtime import StageRuntime
 
     prompt = _prompts(ring)[0]
     with StageRuntime(tiny_target, n_ctx=256, n_threads=1) as rt:

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from pipeline_fixtures import LocalPipeline
 from stage_fixtures import TREE_PARENTS, check_tree, real_shards, two_by_two  # noqa: F401 - fixtures
 
 from edgespec.llm.llamacpp import load_model
 from edgespec.llm.tokenizer import Tokenizer
-from edgespec.pipeline import LocalPipeline
-from edgespec.stage import StageRuntime
+from edgespec.node.runtime import StageRuntime
 
 pytestmark = pytest.mark.real_model
 

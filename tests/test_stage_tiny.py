@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from pipeline_fixtures import LocalPipeline
 from stage_fixtures import (  # noqa: F401 - fixtures
     TREE_PARENTS,
     check_tree,
@@ -15,19 +16,18 @@ from stage_fixtures import (  # noqa: F401 - fixtures
     tiny_llama,
     tiny_qwen2,
 )
+from stage_host import StageHost
 from tinygguf import make_tiny_gguf
 
 from edgespec.llm.gguf_read import CorruptShardError, ShardError
 from edgespec.llm.llamacpp import load_model
 from edgespec.llm.shards import shard_model
 from edgespec.llm.tokenizer import Tokenizer
-from edgespec.pipeline import LocalPipeline
-from edgespec.stage import (
+from edgespec.node.runtime import (
     FingerprintMismatchError,
     InputError,
     KVCacheFullError,
     PositionError,
-    StageHost,
     StageRuntime,
 )
 from edgespec.tree.kvop import KvOp, KvOpCode

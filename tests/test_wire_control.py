@@ -11,7 +11,7 @@ from edgespec.errors import RingError
 from edgespec.head.formation import form_ring
 from edgespec.head.local import LocalNodes
 from edgespec.head.remote import head_identity
-from edgespec.node import Node
+from edgespec.node.daemon import Node
 from edgespec.wire import FieldTag, Kind, Message, control_message, decode_payload, encode_frame
 from edgespec.wire import control as ctl
 from edgespec.wire.auth import load_key, write_key

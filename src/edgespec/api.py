@@ -26,8 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from edgespec.chain import Chain, Sampling
+from edgespec.batch import Sampling
 from edgespec.errors import RequestError
+from edgespec.head.chain import Chain
 from edgespec.head.engine import GenerationStats, SpecEngine
 from edgespec.head.session import Session
 

@@ -10,13 +10,13 @@ from edgespec.cli.common import _add, _set_help
 # ------------------------------------------------------------------------------------ node
 
 def _node(args: argparse.Namespace) -> int:
-    from edgespec.node import run_node_command
+    from edgespec.node.daemon import run_node_command
 
     return run_node_command(args)
 
 
 def _add_node(sub) -> None:
-    from edgespec.node import add_node_arguments
+    from edgespec.node.daemon import add_node_arguments
 
     p = _add(sub, "node", "run a ring member on this device (hosts stage windows)",
              "Starts the node daemon: it advertises itself over mDNS as _edgespec._tcp, "
@@ -68,7 +68,7 @@ def _fmt_gb(v) -> str:
 def _ring_status(args: argparse.Namespace) -> int:
     from edgespec.head.state import load_state
     from edgespec.head.view import view_of_state
-    from edgespec.nodeinfo import describe_holder
+    from edgespec.holder import describe_holder
     from edgespec.wire.auth import load_key
 
     state = load_state()

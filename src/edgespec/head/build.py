@@ -211,18 +211,15 @@ def open_local_ring(cls, model: str | os.PathLike[str], stages: int, *, draft=No
                 return reform_ring(live, model_path, key, n_ctx=n_ctx, encoding=encoding,
                                    profile=False, proxy=proxy, log_fn=quiet, head=head)
         else:
-            from edgespec.chain import LocalChain
+            from edgespec.head.chain import LocalChain, open_window
             from edgespec.llm.gguf_read import fingerprint
-            from edgespec.llm.shards import cut_window, shard_file_name
-            from edgespec.stage import StageRuntime
 
             fp = fingerprint(model_path)
             shard_dir = models.home() / "shards"
             runtimes = []
             for a, b in (ranges or even_ranges(info.n_layer, stages)):
-                path = cut_window(model_path, (a, b),
-                                  shard_dir / shard_file_name(a, b, fp, model_path.stem))
-                rt = StageRuntime(path, n_ctx=n_ctx, n_seq_max=256, n_threads=threads)
+                rt = open_window(model_path, (a, b), fp, shard_dir, n_ctx=n_ctx,
+                                 n_threads=threads)
                 runtimes.append(rt)
                 cleanup.insert(0, rt.close)
             chain = LocalChain(runtimes, info.n_vocab)

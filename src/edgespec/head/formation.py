@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from edgespec.chain import Batch
+from edgespec.batch import Batch
 from edgespec.errors import NodeLost, RingBusy, RingError
 from edgespec.head.planner import NodeProfile, Plan, PlanError, model_memory, plan_ring
 from edgespec.head.remote import (
@@ -63,8 +63,8 @@ def form_ring(addresses: Sequence[Address], model: str | os.PathLike[str], key: 
     ``head`` is this head's identity (``head_identity()``); a node held by another head is
     refused with RingBusy naming it, unless ``take_over``.
     """
+    from edgespec.holder import describe_holder
     from edgespec.llm.gguf_read import fingerprint, read_info
-    from edgespec.nodeinfo import describe_holder
 
     head = head or head_identity()
     hold = {"head": head, "take_over": bool(take_over)}
@@ -265,7 +265,7 @@ def attach_chain(state: RingState, key: bytes, *, head: dict | None = None,
     Raises NodeLost when a node of the plan is unreachable or no longer holds its windows
     (it restarted), so the caller can re-form the ring instead of decoding garbage.
     """
-    from edgespec.nodeinfo import describe_holder
+    from edgespec.holder import describe_holder
 
     head = head or head_identity()
     try:

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from edgespec.node import PARENT_ENV
+from edgespec.holder import PARENT_ENV
 
 _LISTEN = re.compile(r"edgespec node \S+ \((\S+)\) on ([\d.]+):(\d+)")
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from edgespec.chain import Batch, Result
+from edgespec.batch import Batch, Result
 from edgespec.errors import NodeLost, RingBusy, RingError, StageFailure
 from edgespec.head.planner import Plan
 from edgespec.tree.kvop import KvOp
@@ -203,7 +203,7 @@ class Member:
 
 
 class RemoteChain:
-    """The ``Chain`` over a ring of nodes (see ``edgespec.chain``)."""
+    """The ``Chain`` over a ring of nodes (see ``edgespec.head.chain``)."""
 
     def __init__(self, members: list[Member], plan: Plan, n_vocab: int,
                  encoding: str = "f32") -> None:

@@ -20,8 +20,9 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from edgespec.chain import Chain, Sampling
+from edgespec.batch import Sampling
 from edgespec.errors import NodeLost, RingError, StageFailure
+from edgespec.head.chain import Chain
 
 log = logging.getLogger("edgespec")
 

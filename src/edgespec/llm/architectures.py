@@ -37,7 +37,7 @@ class ArchHandling:
         head_required: llama.cpp insists on ``output.weight`` in every file (no tied fallback).
         restore_input: the graph tensor that rescales *every* input, hidden states included
             (gemma2's ``inp_scaled``); a window after the first overwrites it with the states it
-            was given (see :class:`edgespec.stage.StageRuntime`), so they enter unscaled.
+            was given (see :class:`edgespec.node.runtime.StageRuntime`), so they enter unscaled.
         traps: every layer-indexed trap of the architecture and how windows handle it (what
             was checked against llama.cpp; the README's table says the same).
     """

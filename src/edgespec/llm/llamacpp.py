@@ -1,4 +1,5 @@
 """The one place edgespec loads llama.cpp models and creates contexts (through llama-cpp-python).
+Over 450 lines: it is the only llama_cpp importer (docs/design.md 3.6, 3.7), on purpose.
 
 Every other module calls these helpers instead of llama_cpp directly, so the machine-specific
 safety settings live in one spot:

@@ -163,12 +163,3 @@ def describe_this_node(
         free_vram_mb=None if vram is None else vram // (1024 * 1024),
         models=tuple(model_fingerprints(cache_dirs)),
     )
-
-
-def describe_holder(h: dict) -> str:
-    """A head identity as users read it: "edgespec serve (pid 123 on box, since 12:00:01)"."""
-    import time
-
-    since = time.strftime("%H:%M:%S", time.localtime(float(h.get("since") or 0)))
-    return (f"{h.get('what') or 'a head'} (pid {h.get('pid', '?')} on {h.get('host', '?')}, "
-            f"since {since})")

@@ -20,8 +20,8 @@ def profile_layers(model: str | Path, *, cache_dir: str | Path, n_threads: int |
     """Measure ms per layer for each batch size; also report free memory."""
     from edgespec.llm.gguf_read import fingerprint, read_info
     from edgespec.llm.shards import cut_window, shard_file_name
-    from edgespec.nodeinfo import free_ram_bytes, free_vram_bytes
-    from edgespec.stage import StageRuntime
+    from edgespec.node.info import free_ram_bytes, free_vram_bytes
+    from edgespec.node.runtime import StageRuntime
 
     model = Path(model)
     info = read_info(model)

@@ -1,26 +1,8 @@
-"""The engine's view of a ring of stages: batches go in at stage 0, target tokens come out.
-
-A ``Chain`` hides where the stages run: ``LocalChain`` runs them in this process (tests, the
-one-machine path); ``edgespec.head.remote.RemoteChain`` runs them on nodes over the network. Both obey
-the same contract, which is what lets the speculative engine stay ignorant of sockets:
-
-- ``submit(batch)``: enqueue a batch; it flows through every stage in submission order.
-  ``batch.pre_ops`` (KV operations) are applied by every stage just before that batch, so a
-  plan can never overtake the rows it depends on.
-- ``next_result()``: the last stage's answer for the next batch, in submission order: for each
-  wanted row, the target model's token there (argmax when greedy, a draw from the target
-  distribution when sampling). Only token ids travel back, never distributions.
-- ``prune(nodes, ops)``: FlowSpec pruning. It may overtake batches in flight: every stage drops
-  rows of pruned tree nodes from batches it has not computed yet, then applies ``ops``.
-- ``kv(ops)``: KV operations ordered after everything submitted so far (commit, reset).
-- ``abandon()``: give up on everything in flight (after a failure); nothing of it is
-  returned by ``next_result`` any more.
-
-A stage that cannot run this head's work makes ``next_result`` raise ``StageFailure``; a lost
-node raises ``NodeLost`` (``edgespec.errors``).
-
-Rows of a batch are tree nodes (``batch.nodes``, unique within one lap); results name the
-nodes they answer for, so a result stays meaningful after rows were pruned on the way.
+"""Node-side stage execution: a ``StageWorker`` runs batches through the windows one process
+hosts, in ring order, dropping rows of pruned tree nodes; the last stage picks the target
+tokens (``pick_targets``). Used by a node's stage slots (``edgespec.node.slots``) and by the
+head's in-process ``edgespec.head.chain.LocalChain``. The ``Chain`` contract these serve is
+described in ``edgespec.head.chain``.
 """
 
 from __future__ import annotations
@@ -28,97 +10,11 @@ from __future__ import annotations
 import collections
 import threading
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 
-from edgespec.errors import StageFailure
+from edgespec.batch import Batch, Sampling
 from edgespec.tree.kvop import KvOp, KvOpCode
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How the last stage picks the target token of a row. temperature 0 = greedy (argmax)."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0.0
-
-    def as_meta(self) -> dict:
-        return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p,
-                "seed": self.seed}
-
-    @classmethod
-    def from_meta(cls, meta: dict) -> Sampling:
-        return cls(float(meta.get("temperature", 0.0)), int(meta.get("top_k", 0)),
-                   float(meta.get("top_p", 1.0)), int(meta.get("seed", 0)))
-
-
-@dataclass
-class Batch:
-    """One message into the ring: rows of tokens with positions and seq ids."""
-
-    tokens: np.ndarray  # int32 [n]
-    pos: np.ndarray  # int32 [n]
-    seq_ids: list[list[int]]  # per row: the llama.cpp sequences the row belongs to
-    nodes: np.ndarray  # int32 [n]: tree node per row (prefill rows: any unique ids)
-    want: np.ndarray  # bool [n]: rows whose target token the head needs
-    lap: int = 0
-    segment: int = 0
-    pre_ops: list[KvOp] = field(default_factory=list)
-    sampling: Sampling = field(default_factory=Sampling)
-
-    def __post_init__(self) -> None:
-        self.tokens = np.ascontiguousarray(self.tokens, dtype=np.int32)
-        self.pos = np.ascontiguousarray(self.pos, dtype=np.int32)
-        self.nodes = np.ascontiguousarray(self.nodes, dtype=np.int32)
-        self.want = np.ascontiguousarray(self.want, dtype=bool)
-        n = len(self.tokens)
-        if not (len(self.pos) == len(self.seq_ids) == len(self.nodes) == len(self.want) == n):
-            raise ValueError("batch fields disagree on the number of rows")
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def select(self, keep: np.ndarray) -> Batch:
-        """The same batch restricted to rows where ``keep`` is true (pruning in flight)."""
-        idx = np.flatnonzero(keep)
-        return Batch(self.tokens[idx], self.pos[idx], [self.seq_ids[i] for i in idx],
-                     self.nodes[idx], self.want[idx], self.lap, self.segment, self.pre_ops,
-                     self.sampling)
-
-
-@dataclass
-class Result:
-    """The last stage's answer to one batch."""
-
-    lap: int
-    segment: int
-    nodes: np.ndarray  # int32 [k]: the wanted rows that survived pruning
-    targets: np.ndarray  # int32 [k]: the target model's token at each of those nodes
-
-
-class Chain(Protocol):
-    """What the speculative engine needs from a ring (see the module docstring)."""
-
-    n_vocab: int
-    n_stages: int
-
-    def submit(self, batch: Batch) -> None: ...
-    def next_result(self, timeout: float | None = None) -> Result: ...
-    # Whether next_result() would return (or raise) without waiting.
-    def has_result(self) -> bool: ...
-    def prune(self, nodes: Iterable[int], ops: Sequence[KvOp] = (), lap: int = 0) -> None: ...
-    def kv(self, ops: Sequence[KvOp]) -> None: ...
-    def abandon(self) -> None: ...
-    def close(self) -> None: ...
-
 
 # ------------------------------------------------------------------------- target picking
 
@@ -231,49 +127,3 @@ def apply_kv_ops(rt, ops: Sequence[KvOp]) -> None:
             rt.kv_seq_keep(op.seq)
         else:
             raise ValueError(f"unsupported KV operation {code.name}")
-
-
-class LocalChain:
-    """All stages in this process. Batches are computed lazily, when their result is asked
-    for, so FlowSpec pruning still catches rows "in flight" exactly as on a real ring."""
-
-    def __init__(self, runtimes: Sequence, n_vocab: int) -> None:
-        self.worker = StageWorker(runtimes, is_last=True)
-        self.n_vocab = n_vocab
-        self.n_stages = len(runtimes)
-        self._queue: collections.deque[Batch | list[KvOp]] = collections.deque()
-
-    def submit(self, batch: Batch) -> None:
-        self._queue.append(batch)
-
-    def kv(self, ops: Sequence[KvOp]) -> None:
-        self._queue.append(list(ops))
-
-    def prune(self, nodes: Iterable[int], ops: Sequence[KvOp] = (), lap: int = 0) -> None:
-        self.worker.prune(lap, nodes, ops)
-
-    def next_result(self, timeout: float | None = None) -> Result:
-        while self._queue:
-            item = self._queue.popleft()
-            if isinstance(item, list):
-                self.worker.apply_ops(item)
-                continue
-            try:
-                batch, targets = self.worker.run(item, None)
-            except Exception as e:
-                raise StageFailure(f"stage failed: {type(e).__name__}: {e}", "stage_failed",
-                                   item.lap) from e
-            wanted = batch.nodes[batch.want] if len(batch) else np.zeros(0, np.int32)
-            if targets is None:
-                targets = np.zeros(0, dtype=np.int32)
-            return Result(item.lap, item.segment, wanted, targets)
-        raise RuntimeError("next_result() with nothing submitted")
-
-    def has_result(self) -> bool:
-        return False  # nothing is computed before it is asked for (see the class docstring)
-
-    def abandon(self) -> None:
-        self._queue.clear()
-
-    def close(self) -> None:
-        self._queue.clear()

@@ -1,8 +1,8 @@
 """Payload codec of the ring's wire protocol: fields, encodings, schemas (docs/design.md 5.1).
 
-(About 500 lines, over the usual 450: the per-kind schemas, the encoder and the decoder check
-one another through one shared validation and read best side by side; the KV-op helpers at
-the end go with KvOp when it moves to its own module.)
+Over 450 lines: the per-kind schemas, the encoder and the decoder check one another through
+one shared validation and read best side by side (the KV-op helpers at the end are the KV_OPS
+field's array form of ``edgespec.tree.kvop.KvOp``).
 
 A payload (see ``edgespec.wire.header`` for the frame around it) is a sequence of *fields*.
 Each field is::

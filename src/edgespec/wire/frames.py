@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgespec.chain import Batch, Result, Sampling
+from edgespec.batch import Batch, Result, Sampling
 from edgespec.wire.codec import HIDDEN_ENCODINGS, FieldTag, Message, kv_ops_list
 from edgespec.wire.header import Kind
 from edgespec.wire.messages import seq_lists, seq_matrix

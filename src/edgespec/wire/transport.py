@@ -1,6 +1,9 @@
 """Authenticated, sealed, framed TCP connections between ring members: the handshake and
 ``Connection`` (docs/design.md 5.1).
 
+Over 450 lines: the handshake and ``Connection`` share the deadline, framing and sealing
+helpers (``_recv_exact_into``, ``_sendmsg_all``, ``_send_sealed``...) that make a link safe.
+
 Blocking sockets with one thread per connection, not asyncio, on purpose:
 
 - A hop's latency is the product here. A blocking ``recv_into``/``sendmsg`` pair adds only the

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from edgespec.chain import Sampling
+from edgespec.batch import Sampling
 from edgespec.head.engine.round import _Round
 from edgespec.tree import core
 from edgespec.tree.kvop import KvOp, KvOpCode

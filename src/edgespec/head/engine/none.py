@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from edgespec.chain import Batch, Sampling
+from edgespec.batch import Batch, Sampling
 
 
 class NoneRounds:

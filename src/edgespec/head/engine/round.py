@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from edgespec.chain import Sampling
+from edgespec.batch import Sampling
 from edgespec.tree import core
 
 

@@ -39,8 +39,9 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
-from edgespec.chain import Batch, Chain, Sampling
+from edgespec.batch import Batch, Sampling
 from edgespec.drafters.base import Drafter, DraftTree
+from edgespec.head.chain import Chain
 from edgespec.head.engine.cost import CostModel
 from edgespec.head.engine.flow import FlowRounds
 from edgespec.head.engine.gain import GainMeter

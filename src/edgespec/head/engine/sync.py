@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
-from edgespec.chain import Sampling
+from edgespec.batch import Sampling
 from edgespec.tree import core
 
 

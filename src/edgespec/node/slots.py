@@ -1,0 +1,326 @@
+"""A node's data path (docs/design.md 5.1, 5.2): one ``StageSlot`` per hosted window, its
+inbox and worker thread, and ``StageLoop``, the part of ``edgespec.node.daemon.Node`` that
+takes batches, KV operations and prunes off the wire, runs them in ring order, and forwards
+the result to the next link (in-process, or over TCP to the next node) or to the head.
+
+Frames of the data path (all over authenticated connections, ``edgespec.wire.transport``):
+
+- TOKENS / HIDDEN: a batch for one of this node's stages (``META.stage``). It joins that
+  stage's queue; the stage's worker thread applies the batch's KV operations, drops rows of
+  pruned tree nodes, runs the window, and sends the hidden states to the next stage (directly,
+  node to node, not through the head) or, on the last stage, the target tokens to the head.
+- KV_OPS: KV operations ordered with the batches (they travel the ring like a batch).
+- PRUNE: tree nodes rejected by the head's verifier. Applied at once, so rows of those nodes
+  still queued or in flight are dropped before they cost compute.
+
+A failure inside a stage is reported to the head as an ERROR frame; the node keeps serving.
+A link to the next node that breaks is dropped (reported to the head as ``next_lost``, which it
+treats as a lost node) and dialled afresh whenever the ring is linked again.
+
+Apart from the control plane in ``daemon.py`` so each stays readable; ``Node`` inherits
+``StageLoop`` and supplies the state it reads (``slots``, ``server``, ``name``, ``_lock``,
+``_out_conns``, ``_stop``, ``key``, ``node_id``). Linking the slots to their successors (the
+``connect`` op, ``_op_connect``) is here too, beside the links it makes. Log lines keep the node's logger, ``edgespec.node``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from edgespec.node.worker import StageWorker
+from edgespec.wire import FieldTag, Kind, Message, WireError, error_message, kv_ops_list
+from edgespec.wire import control as ctl
+from edgespec.wire.frames import batch_message, message_batch, result_message
+from edgespec.wire.server import FrameServer
+from edgespec.wire.transport import Connection, Frame, TransportError, connect
+
+log = logging.getLogger("edgespec.node")
+
+#: Seconds to dial the next node when linking (a node that does not answer fails the link).
+LINK_TIMEOUT_S = 10.0
+
+
+@dataclass
+class StageSlot:
+    """One hosted window: its runtime, its place in the ring, and its worker thread."""
+
+    stage: int
+    layer_range: tuple[int, int]
+    runtime: Any
+    is_last: bool
+    worker: StageWorker = field(init=False)
+    inbox: queue.Queue = field(default_factory=queue.Queue)
+    next_local: StageSlot | None = None
+    next_conn: Connection | None = None
+    next_stage: int = -1
+    head_conn: Connection | None = None
+    encoding: str = "f32"
+    thread: threading.Thread | None = None
+    busy_s: float = 0.0
+    batches: int = 0
+
+    def __post_init__(self) -> None:
+        self.worker = StageWorker([self.runtime], is_last=self.is_last)
+
+
+class _LinkLost(Exception):
+    """The link to the next node is gone (the head re-plans the ring)."""
+
+
+class StageLoop:
+    """The data path of a ``Node``: frame handlers for TOKENS / HIDDEN, KV_OPS and PRUNE, one
+    loop per stage slot, and the links to the next node."""
+
+    slots: dict[int, StageSlot]
+    server: FrameServer
+    name: str
+    _lock: threading.RLock
+    _out_conns: dict[tuple[str, int], Connection]
+    _stop: threading.Event
+    key: bytes
+    node_id: str
+
+    # ------------------------------------------------------------------ data path
+
+    def _slot(self, msg_stage: int) -> StageSlot:
+        slot = self.slots.get(msg_stage)
+        if slot is None:
+            raise WireError(f"stage {msg_stage} is not hosted by node {self.name}")
+        return slot
+
+    def _on_batch(self, conn: Connection, frame: Frame) -> Message | None:
+        try:
+            try:
+                batch, hidden, stage = message_batch(frame.decode())
+            except (ValueError, KeyError) as e:  # schema-valid frame, inconsistent contents
+                raise WireError(f"bad batch: {e}") from None
+            slot = self._slot(stage)
+            if hidden is None and slot.stage != 0:
+                raise WireError(f"stage {stage} takes hidden states, not token ids")
+            if hidden is not None and slot.stage == 0:
+                raise WireError("stage 0 takes token ids, not hidden states")
+            self._check_batch(slot, batch, hidden)
+        except WireError as e:
+            # Answered here rather than by the server's generic reply, so that the ERROR
+            # carries the batch's lap id: the head (directly, or through the previous node's
+            # relay in _read_next) fails exactly that lap and ignores refusals of batches
+            # it never sent.
+            self.server.errors += 1
+            log.warning("%s: refused a %s batch from %s: %s", self.name, frame.kind.name,
+                        conn.peer_node, e)
+            err = error_message("bad_payload", str(e), request_id=frame.header.request_id)
+            err.lap_id = frame.header.lap_id
+            return err
+        slot.inbox.put(("batch", batch, hidden))
+        return None
+
+    def _check_batch(self, slot: StageSlot, batch: Any, hidden: np.ndarray | None) -> None:
+        """Refuse, before it is queued, a batch this stage could never run: the sender gets
+        an ERROR reply at once, and a bad frame never reaches llama.cpp. Only checks that do
+        not depend on the KV cache belong here; position continuity is the runtime's (it is
+        known only when the batch's turn comes)."""
+        rt = slot.runtime
+        n = len(batch)
+        n_seq_max = int(getattr(rt, "n_seq_max", 0) or 0)
+        if n_seq_max:
+            top = max((max(s) for s in batch.seq_ids if s), default=0)
+            if top >= n_seq_max:
+                raise WireError(f"seq id {top} outside 0..{n_seq_max - 1} of stage {slot.stage}")
+        if hidden is None:
+            n_vocab = int(getattr(rt, "n_vocab", 0) or 0)
+            if n_vocab and n and int(batch.tokens.max()) >= n_vocab:
+                raise WireError(f"token id {int(batch.tokens.max())} outside the vocabulary "
+                                f"0..{n_vocab - 1}")
+        else:
+            n_embd = int(getattr(rt, "n_embd", 0) or 0)
+            if hidden.ndim != 2 or hidden.shape[0] != n or (n_embd and hidden.shape[1] != n_embd):
+                raise WireError(f"stage {slot.stage} takes hidden states [{n}, {n_embd}], got "
+                                f"{list(hidden.shape)}")
+
+    def _on_kv(self, conn: Connection, frame: Frame) -> None:
+        msg = frame.decode()
+        ops = kv_ops_list(msg[FieldTag.KV_OPS])
+        slot = self._slot(int(msg.meta.get("stage", 0)))
+        slot.inbox.put(("kv", ops, msg.lap_id))
+        return None
+
+    def _on_prune(self, conn: Connection, frame: Frame) -> None:
+        msg = frame.decode()
+        nodes = np.asarray(msg[FieldTag.NODES]).tolist()
+        for slot in list(self.slots.values()):
+            slot.worker.prune(msg.lap_id, nodes, ())
+        return None
+
+    def _run_slot(self, slot: StageSlot) -> None:
+        while True:
+            item = slot.inbox.get()
+            if item is None:
+                return
+            kind, a, b = item
+            try:
+                if kind == "kv":
+                    slot.worker.apply_ops(a)
+                    self._send_on(slot, "kv", (a, b))
+                    continue
+                t = time.perf_counter()
+                batch, out = slot.worker.run(a, b)
+                slot.busy_s += time.perf_counter() - t
+                slot.batches += 1
+                if slot.is_last:
+                    targets = out if out is not None else np.zeros(0, np.int32)
+                    self._to_head(slot, result_message(batch, targets))
+                elif out is None:
+                    # Every row was pruned on the way: the head still expects an answer.
+                    self._send_on(slot, "empty", batch)
+                else:
+                    self._send_on(slot, "batch", (batch, out))
+            except _LinkLost as e:  # the head treats it as a lost node (re-plans)
+                log.warning("%s", e)
+                msg = error_message("next_lost", str(e))
+                msg.lap_id = a.lap if kind == "batch" else int(b or 0)
+                self._to_head(slot, msg)
+            except Exception as e:  # reported to the head; the stage keeps serving
+                log.exception("stage %d failed", slot.stage)
+                lap = a.lap if kind == "batch" else int(b or 0)
+                msg = error_message("stage_failed", f"stage {slot.stage} on {self.name}: "
+                                    f"{type(e).__name__}: {e}")
+                msg.lap_id = lap
+                self._to_head(slot, msg)
+
+    def _read_next(self, out: Connection) -> None:
+        """Read what the next node sends back on our link to it. Nothing is expected but an
+        ERROR (it refused a batch we passed on) or its goodbye; an ERROR is relayed to the
+        head of the stages that feed that link, so the head learns its lap failed at once
+        instead of waiting for a result that will never come."""
+        while True:
+            try:
+                msg = out.recv()
+            except Exception as e:  # link closed (or broken): the next send reports it
+                if not out.closed and not self._stop.is_set():
+                    log.warning("link to next node %s closed: %s", out.peer_node, e)
+                self._drop_link(out)
+                return
+            if msg.kind != Kind.ERROR:
+                continue
+            text = f"next node {out.peer_node}: {msg.meta.get('code')}: {msg.meta.get('message')}"
+            log.warning("%s", text)
+            with self._lock:
+                heads = {id(s.head_conn): s for s in self.slots.values()
+                         if s.next_conn is out and s.head_conn is not None}
+            for slot in heads.values():
+                err = error_message("next_refused", f"stage {slot.stage} on {self.name}: {text}")
+                err.lap_id = msg.lap_id
+                self._to_head(slot, err)
+
+    def _to_head(self, slot: StageSlot, msg: Message) -> None:
+        conn = slot.head_conn
+        if conn is None:
+            log.warning("stage %d: no head connected; dropping %s", slot.stage, msg.kind.name)
+            return
+        try:
+            conn.send(msg)
+        except TransportError as e:
+            log.warning("stage %d: head unreachable: %s", slot.stage, e)
+
+    def _send_on(self, slot: StageSlot, kind: str, payload: Any) -> None:
+        """Pass work to the next stage: in-process when this node hosts it, else over TCP."""
+        if slot.is_last:
+            return
+        if kind == "empty":
+            batch = payload
+            # Every row was pruned: rather than send a placeholder on through the ring (which
+            # would cost compute), tell the head directly that nothing of it survived. The
+            # batch's KV operations (a new leaf's prefix copy, a decided round's commit) still
+            # go on, in ring order: the later stages must apply them exactly as this one did.
+            if batch.pre_ops:
+                self._send_on(slot, "kv", (list(batch.pre_ops), batch.lap))
+            self._to_head(slot, result_message(batch.select(np.zeros(len(batch), bool)),
+                                               np.zeros(0, np.int32)))
+            return
+        if slot.next_local is not None:
+            if kind == "kv":
+                slot.next_local.inbox.put(("kv", *payload))
+            else:
+                batch, hidden = payload
+                # A copy, not a view: the hidden states live in this window's capture buffer,
+                # which its next decode overwrites while the next window may still be queued.
+                slot.next_local.inbox.put(("batch", batch, np.array(hidden, copy=True)))
+            return
+        conn = slot.next_conn
+        if conn is None or conn.closed:
+            raise _LinkLost(f"stage {slot.stage} on {self.name} has no live link to the next "
+                            f"stage ({slot.next_stage}); the ring must be linked again")
+        try:
+            if kind == "kv":
+                ops, lap = payload
+                conn.send(Message(Kind.KV_OPS, {FieldTag.KV_OPS: list(ops),
+                                                 FieldTag.META: {"stage": slot.next_stage}},
+                                  lap_id=int(lap or 0)))
+            else:
+                batch, hidden = payload
+                conn.send(batch_message(batch, hidden, slot.encoding, stage=slot.next_stage))
+        except TransportError as e:
+            self._drop_link(conn)
+            raise _LinkLost(f"stage {slot.stage} on {self.name}: link to the next node "
+                            f"{conn.peer_node} broke: {e}") from e
+
+    def _drop_link(self, conn: Connection) -> None:
+        """Forget a broken link to a next node; the next ``connect`` dials it afresh."""
+        with self._lock:
+            for addr, c in list(self._out_conns.items()):
+                if c is conn:
+                    del self._out_conns[addr]
+            for slot in self.slots.values():
+                if slot.next_conn is conn:
+                    slot.next_conn = None
+        with contextlib.suppress(Exception):
+            conn.close()
+
+    def _op_connect(self, conn: Connection, req: ctl.Connect, blob: Any) -> ctl.ConnectReply:
+        """Wire each hosted stage to its successor (``edgespec.wire.control.Connect``).
+        Results and errors go to this connection."""
+        fresh: dict[tuple[str, int], Connection] = {}
+        for stage, link in req.links.items():
+            slot = self._slot(stage)
+            slot.head_conn = conn
+            slot.next_local, slot.next_conn = None, None
+            if link == "head":
+                continue
+            slot.next_stage = link.stage
+            if isinstance(link, ctl.NextLocal):
+                slot.next_local = self._slot(link.local)
+                continue
+            addr = (link.host, link.port)
+            out = fresh.get(addr)
+            if out is None:
+                # Linking (or re-linking) dials afresh: an old link may lead to a node process
+                # that died and came back on the same address (its state is gone).
+                with self._lock:
+                    old = self._out_conns.pop(addr, None)
+                if old is not None:
+                    old.close("re-linking")
+                try:
+                    out = connect(addr[0], addr[1], self.key, node_id=self.node_id,
+                                  timeout=LINK_TIMEOUT_S)
+                except Exception as e:
+                    raise RuntimeError(f"{self.name} cannot reach the next node at "
+                                       f"{addr[0]}:{addr[1]}: {e}") from e
+                fresh[addr] = out
+                with self._lock:
+                    self._out_conns[addr] = out
+                threading.Thread(target=self._read_next, args=(out,), daemon=True,
+                                 name=f"edgespec-next-{addr[0]}:{addr[1]}").start()
+                log.info("%s: linked stage %d to %s at %s:%d", self.name, slot.stage,
+                         out.peer_node, *addr)
+            slot.next_conn = out
+        for slot in self.slots.values():
+            slot.head_conn = conn
+        return ctl.ConnectReply(connected=sorted(self.slots))
