@@ -202,7 +202,7 @@ def _have(cmd: str) -> bool:
 def test_nodeinfo_fingerprints_free_ram_and_backend(tmp_path: Path) -> None:
     import hashlib
 
-    from edgespec.node.daemon import info as nodeinfo
+    from edgespec.node import info as nodeinfo
 
     m = tmp_path / "models" / "a.gguf"
     m.parent.mkdir()

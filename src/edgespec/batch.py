@@ -1,7 +1,7 @@
 """The data that travels the ring: a ``Batch`` of rows into stage 0, the last stage's
 ``Result``, and the ``Sampling`` by which it picks target tokens. Neutral ground: the head
 (``edgespec.head``), the wire (``edgespec.wire.frames``) and the nodes (``edgespec.node``) all
-read these types, and none of them owns them (docs/design.md, "Layout").
+read these types, and none of them owns them (docs/design.md 7).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What a head and a node both read about the head that holds or started a node: how users
 are told which head that is (``describe_holder``), and the environment variable by which a
 head marks the node processes it starts itself (``PARENT_ENV``). Neutral ground, so that
-neither ``edgespec.head`` nor ``edgespec.node`` imports the other (docs/design.md, "Layout").
+neither ``edgespec.head`` nor ``edgespec.node`` imports the other (docs/design.md 7).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The head's side of edgespec (docs/design.md 1, 5): everything the process a user talks to
 runs, apart from what runs on nodes.
 
+- ``chain``: the engine's view of a ring (``Chain``) and ``LocalChain`` (stages in this process)
 - ``remote``: the member RPC (``Member``, ``dial``) and ``RemoteChain``
 - ``formation``: forming, linking, re-forming, re-attaching and unloading a ring
 - ``planner``: layer windows per node

@@ -35,7 +35,7 @@ import numpy as np
 from edgespec.batch import Batch, Result
 from edgespec.errors import StageFailure
 
-# The one head -> node import (docs/design.md, "Layout"): LocalChain runs the node-side
+# The one head -> node import (docs/design.md 7): LocalChain runs the node-side
 # StageWorker in the head's own process.
 from edgespec.node.worker import StageWorker
 from edgespec.tree.kvop import KvOp
@@ -62,7 +62,7 @@ class LocalChain:
     for, so FlowSpec pruning still catches rows "in flight" exactly as on a real ring.
 
     It runs the node-side ``StageWorker`` (``edgespec.node.worker``) in the head's process:
-    the one import from head/ into node/ (docs/design.md, "Layout")."""
+    the one import from head/ into node/ (docs/design.md 7)."""
 
     def __init__(self, runtimes: Sequence, n_vocab: int) -> None:
         self.worker = StageWorker(runtimes, is_last=True)

@@ -1,4 +1,4 @@
-"""The node side of the ring: what runs on each device (docs/design.md, "Layout").
+"""The node side of the ring: what runs on each device (docs/design.md 7).
 
 ``daemon.py`` the `edgespec node` process and its control plane, ``slots.py`` its data path
 (one slot per hosted window), ``worker.py`` running batches through windows, ``runtime.py``
