@@ -54,6 +54,7 @@ log = logging.getLogger("edgespec.node")
 #: Control ops that only the head holding this node may send (see the module docstring).
 HOLDER_OPS = frozenset(op for op, r in ctl.REQUESTS.items() if issubclass(r, ctl.HolderRequest))
 
+
 class _Busy(Exception):
     """Another head holds this node."""
 

@@ -284,6 +284,8 @@ class StageLoop:
         with contextlib.suppress(Exception):
             conn.close()
 
+    # ------------------------------------------------------------------ linking
+
     def _op_connect(self, conn: Connection, req: ctl.Connect, blob: Any) -> ctl.ConnectReply:
         """Wire each hosted stage to its successor (``edgespec.wire.control.Connect``).
         Results and errors go to this connection."""
