@@ -34,6 +34,7 @@ from typing import Protocol
 import numpy as np
 
 from edgespec.errors import StageFailure
+from edgespec.laps import now
 from edgespec.wire import KvOp, KvOpCode
 
 
@@ -73,6 +74,8 @@ class Batch:
     segment: int = 0
     pre_ops: list[KvOp] = field(default_factory=list)
     sampling: Sampling = field(default_factory=Sampling)
+    # Lap-timing stamps of the stages it went through (edgespec.laps; rides in META).
+    timing: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.tokens = np.ascontiguousarray(self.tokens, dtype=np.int32)
@@ -91,7 +94,7 @@ class Batch:
         idx = np.flatnonzero(keep)
         return Batch(self.tokens[idx], self.pos[idx], [self.seq_ids[i] for i in idx],
                      self.nodes[idx], self.want[idx], self.lap, self.segment, self.pre_ops,
-                     self.sampling)
+                     self.sampling, self.timing)
 
 
 @dataclass
@@ -102,6 +105,8 @@ class Result:
     segment: int
     nodes: np.ndarray  # int32 [k]: the wanted rows that survived pruning
     targets: np.ndarray  # int32 [k]: the target model's token at each of those nodes
+    timing: list | None = None  # the stages' lap-timing stamps (edgespec.laps)
+    received: float = 0.0  # when the head had it off the wire (edgespec.laps.now)
 
 
 class Chain(Protocol):
@@ -158,6 +163,7 @@ class StageWorker:
         self._pruned: collections.OrderedDict[int, set[int]] = collections.OrderedDict()
         self._pending_ops: list[KvOp] = []
         self._lock = threading.Lock()  # prune() comes from another thread on a node
+        self.stamp_windows = False  # LocalChain: stamp every window (edgespec.laps)
 
     def prune(self, lap: int, nodes: Iterable[int], ops: Sequence[KvOp]) -> None:
         with self._lock:
@@ -198,6 +204,7 @@ class StageWorker:
                 batch = batch.select(keep)
                 if len(batch) == 0:
                     return batch, None
+        t_prev = now()
         x = hidden
         for i, rt in enumerate(self.runtimes):
             last_window = self.is_last and i == len(self.runtimes) - 1
@@ -208,6 +215,10 @@ class StageWorker:
                 rt_forward(rt, batch, x, want_rows=[len(batch) - 1])
                 return batch, np.zeros(0, dtype=np.int32)
             x = rt_forward(rt, batch, x, want_rows=want)
+            if self.stamp_windows:  # in-process windows: one lap-timing stamp each
+                t = now()
+                batch.timing.append([i, t_prev, t_prev, t])
+                t_prev = t
         if self.is_last:
             return batch, pick_targets(x, batch.pos[batch.want], batch.sampling)
         return batch, x
@@ -239,6 +250,7 @@ class LocalChain:
 
     def __init__(self, runtimes: Sequence, n_vocab: int) -> None:
         self.worker = StageWorker(runtimes, is_last=True)
+        self.worker.stamp_windows = True
         self.n_vocab = n_vocab
         self.n_stages = len(runtimes)
         self._queue: collections.deque[Batch | list[KvOp]] = collections.deque()
@@ -266,7 +278,7 @@ class LocalChain:
             wanted = batch.nodes[batch.want] if len(batch) else np.zeros(0, np.int32)
             if targets is None:
                 targets = np.zeros(0, dtype=np.int32)
-            return Result(item.lap, item.segment, wanted, targets)
+            return Result(item.lap, item.segment, wanted, targets, batch.timing, now())
         raise RuntimeError("next_result() with nothing submitted")
 
     def has_result(self) -> bool:

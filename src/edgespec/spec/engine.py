@@ -44,6 +44,7 @@ import numpy as np
 
 from edgespec import core
 from edgespec.chain import Batch, Chain, Sampling
+from edgespec.laps import LapTimes
 from edgespec.spec.drafters import Drafter, DraftTree
 from edgespec.spec.gain import GainMeter
 from edgespec.wire import KvOp, KvOpCode
@@ -77,6 +78,7 @@ class GenerationStats:
     # Plain laps: time from handing the batch to the chain to its result. What is left of
     # decode_s (in mode none) is the head's own work per token: engine, API, caller.
     plain_wait_s: float = 0.0
+    lap_timing: LapTimes = field(default_factory=LapTimes)  # docs/design.md 8
 
     def merged(self, earlier: GenerationStats | None) -> GenerationStats:
         """These statistics with an earlier part of the same generation added in."""
@@ -89,6 +91,7 @@ class GenerationStats:
                      "rows_sent", "rows_pruned", "recoveries", "plain_rounds", "probes",
                      "plain_wait_s"):
             setattr(out, name, getattr(out, name) + getattr(earlier, name))
+        out.lap_timing = self.lap_timing.merged(earlier.lap_timing)
         return out
 
     @property
@@ -115,6 +118,7 @@ class GenerationStats:
             "probes": self.probes,
             "plain_lap_ms": round(self.plain_wait_s * 1e3 / self.plain_rounds, 2)
             if self.plain_rounds else None,
+            "lap_timing": self.lap_timing.as_dict(),
         }
 
 
@@ -377,6 +381,7 @@ class SpecEngine:
             batch.pre_ops = self._pending_ops + list(batch.pre_ops)
             self._pending_ops = []
         self.stats.rows_sent += len(batch)
+        self.stats.lap_timing.sent(batch)
         self.chain.submit(batch)
 
     def _drain_stale(self) -> None:
@@ -384,6 +389,7 @@ class SpecEngine:
         ``next_result`` gets its own."""
         while sum(self._stale.values()) > 0:
             res = self.chain.next_result()
+            self.stats.lap_timing.got(res)
             if self._stale[res.lap] <= 0:
                 raise RuntimeError(f"unexpected result for lap {res.lap} while draining")
             self._stale[res.lap] -= 1
@@ -464,6 +470,7 @@ class SpecEngine:
                            np.zeros(1, np.int32), np.ones(1, bool), lap=self._new_lap(),
                            sampling=sampling))
         res = self.chain.next_result()
+        self.stats.lap_timing.got(res)
         waited = time.perf_counter() - t
         self.cost.observe_lap(1, waited * 1e3)
         self.stats.plain_wait_s += waited
@@ -582,6 +589,7 @@ class SpecEngine:
             rnd = self._new_tree(root, sampling, budget)
             self._send_rows(rnd, sampling, 1)
             res = self.chain.next_result()
+            self.stats.lap_timing.got(res)
             self.stats.laps += 1
             self.cost.observe_lap(rnd.sent_rows, (time.perf_counter() - rnd.t0) * 1e3)
             decision = rnd.verifier.feed_targets(res.targets, 0, rows=res.nodes)
@@ -628,6 +636,7 @@ class SpecEngine:
                     if not self.chain.has_result() and self._draft_ahead(rnd, sampling, seg):
                         continue
                     res = self.chain.next_result()
+                    self.stats.lap_timing.got(res)
                     self.stats.laps += 1
                     if res.lap != rnd.lap:
                         stale[res.lap] -= 1  # a decided tree's segment: already pruned
