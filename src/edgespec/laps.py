@@ -23,6 +23,7 @@ negative (clocks apart) is counted there only.
 from __future__ import annotations
 
 import collections
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -109,6 +110,12 @@ class LapTimes:
                     for i, x in enumerate(v):
                         acc[i] += x
         return out
+
+    def log(self, logger: logging.Logger) -> None:
+        """The view, one DEBUG record per line (shown by `edgespec -v` in chat, demo, serve)."""
+        if logger.isEnabledFor(logging.DEBUG):
+            for line in lap_lines(self.as_dict()):
+                logger.debug("%s", line)
 
     def as_dict(self) -> dict[str, Any] | None:
         """Means per lap in ms; None when no lap was timed (e.g. every token came from KV)."""

@@ -331,6 +331,7 @@ class SpecEngine:
             raise
         finally:
             self.stats.decode_s = time.perf_counter() - t1
+            self.stats.lap_timing.log(log)  # the lap-timing view with -v (DEBUG)
             if not failed:
                 # Close the round generator now (not at garbage collection): a round cut
                 # short registers its batches in flight, which are drained right after.
