@@ -38,6 +38,7 @@ from typing import Any
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 from bench.ring_bench import Links, machine_info, run_single  # noqa: E402
+from edgespec.laps import combine, lap_lines  # noqa: E402
 
 CODE_PROMPTS = [
     "def quicksort(arr):\n",
@@ -158,6 +159,7 @@ def summarize_overhead(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 row["stages_ms"] = [round(statistics.mean(b["stages"][k] for b in bd), 2)
                                     for k in range(len(bd[0]["stages"]))]
                 row["rest_ms"] = round(statistics.mean(b["rest"] for b in bd), 2)
+                row["lap_timing"] = combine([r["stats"].get("lap_timing") for r in rs])
             rows.append(row)
     return rows
 
@@ -238,16 +240,22 @@ def summarize_modes(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                                         for r in rs) if all("plain_rounds" in r["stats"]
                                                             for r in rs) else "?",
                      "rounds": sum(r["stats"]["rounds"] for r in rs),
-                     "same_as_none": f"{same}/{len(rs)}"})
+                     "same_as_none": f"{same}/{len(rs)}",
+                     "lap_timing": combine([r["stats"].get("lap_timing") for r in rs])})
     return rows
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return ""
-    keys = list(dict.fromkeys(k for r in rows for k in r))
+    keys = [k for k in dict.fromkeys(k for r in rows for k in r) if k != "lap_timing"]
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     lines += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows]
+    for r in rows:  # the lap-timing view under the table, one block per row
+        view = lap_lines(r.get("lap_timing"))
+        if view:
+            lines += ["", " ".join(str(r[k]) for k in ("model", "config", "mode") if k in r)]
+            lines += view
     return "\n".join(lines)
 
 

@@ -70,6 +70,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 from bench import projection as projection_mod  # noqa: E402
 from bench.linkemu import LinkEmulatorThread, LinkSpec  # noqa: E402
+from edgespec.laps import combine  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 NEAR_TIE = 0.5  # same threshold as tests/ring_fixtures.NEAR_TIE (measured there)
@@ -392,6 +393,8 @@ def aggregate(runs: list[dict[str, Any]], host: dict[str, Any]) -> list[dict[str
                 "bytes_per_token_per_stage_hop": (round(sum(hop_bytes[k] for k in stage_hops)
                                                         / len(stage_hops) / toks)
                                                   if stage_hops and toks else None),
+                # where a lap's time went, per stage and per link (edgespec.laps)
+                "lap_timing": combine([r["stats"].get("lap_timing") for r in rs]),
             })
         row["host"] = host
         rows.append(row)

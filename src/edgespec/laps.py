@@ -168,3 +168,37 @@ def stamps_from_meta(value: Any) -> list[Stamp]:
                 and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in s)):
             out.append([int(s[0]), float(s[1]), float(s[2]), float(s[3])])
     return out
+
+
+def combine(views: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """Several generations' views as one (means weighted by their laps): benchmark summaries."""
+    views = [v for v in views if v]
+    n = sum(v["laps"] for v in views)
+    if not n:
+        return None
+
+    def mean(get: Any, among: list[dict[str, Any]]) -> float:
+        w = sum(v["laps"] for v in among)
+        return round(sum(get(v) * v["laps"] for v in among) / max(1, w), 3)
+
+    out: dict[str, Any] = {"laps": n, "skewed_laps": sum(v["skewed_laps"] for v in views)}
+    for k in ("lap_ms", "links_ms", "head_wake_ms"):
+        out[k] = mean(lambda v, k=k: v[k], views)
+    stages = sorted({s["stage"] for v in views for s in v["stages"]})
+    out["stages"] = []
+    for st in stages:
+        among = [v for v in views if any(s["stage"] == st for s in v["stages"])]
+
+        def pick(v: dict[str, Any], key: str, st: int = st) -> float:
+            return next(s[key] for s in v["stages"] if s["stage"] == st)
+
+        out["stages"].append({"stage": st, "wait_ms": mean(lambda v: pick(v, "wait_ms"), among),
+                              "compute_ms": mean(lambda v: pick(v, "compute_ms"), among)})
+    links = list(dict.fromkeys((lk["from"], lk["to"]) for v in views for lk in v["links"]))
+    out["links"] = []
+    for a, b in links:
+        among = [v for v in views if any((lk["from"], lk["to"]) == (a, b) for lk in v["links"])]
+        out["links"].append({"from": a, "to": b, "transfer_ms": mean(
+            lambda v, a=a, b=b: next(lk["transfer_ms"] for lk in v["links"]
+                                     if (lk["from"], lk["to"]) == (a, b)), among)})
+    return out
