@@ -25,7 +25,7 @@ def test_ring_lap_view_has_every_stage_and_link_and_adds_up(real_model_path):
     assert [(lk["from"], lk["to"]) for lk in view["links"]] == [
         ("head", 0), (0, 1), (1, 2), (2, "head")]
     for s in view["stages"]:
-        assert s["compute_ms"] > 0 and s["wait_ms"] >= 0
+        assert s["compute_ms"] > 0 and s["wait_ms"] >= 0 and s["compute_cpu_ms"] > 0
     assert all(lk["transfer_ms"] >= 0 for lk in view["links"])
     inside = sum(s["wait_ms"] + s["compute_ms"] for s in view["stages"])
     assert inside + view["links_ms"] == pytest.approx(view["lap_ms"], abs=0.01)
@@ -54,14 +54,15 @@ def test_lap_times_split_a_lap_and_keep_clock_skewed_laps_out_of_the_links(monke
     lt.sent(_Sent(2))
     monkeypatch.setattr(laps, "now", lambda: 100.5)
     # stage 0 on the head's clock, stage 1 on a clock 1 s behind (lap 2 only)
-    lt.got(_result(1, [[0, 100.1, 100.1, 100.2], [1, 100.25, 100.3, 100.4]], 100.45))
-    lt.got(_result(2, [[0, 100.1, 100.1, 100.2], [1, 99.25, 99.3, 99.4]], 100.45))
+    lt.got(_result(1, [[0, 100.1, 100.1, 100.2, 0.1], [1, 100.25, 100.3, 100.4, 0.05]], 100.45))
+    lt.got(_result(2, [[0, 100.1, 100.1, 100.2, 0.1], [1, 99.25, 99.3, 99.4, 0.05]], 100.45))
     view = lt.as_dict()
     assert view["laps"] == 2 and view["skewed_laps"] == 1
     assert view["lap_ms"] == pytest.approx(450)
     assert view["head_wake_ms"] == pytest.approx(50)
     assert [s["compute_ms"] for s in view["stages"]] == pytest.approx([100, 100])
     assert [s["wait_ms"] for s in view["stages"]] == pytest.approx([0, 50])
+    assert [s["compute_cpu_ms"] for s in view["stages"]] == pytest.approx([100, 50])
     # per-link figures from the unskewed lap only; links_ms from both
     assert [lk["transfer_ms"] for lk in view["links"]] == pytest.approx([100, 50, 50])
     assert view["links_ms"] == pytest.approx(450 - 250)
@@ -72,5 +73,5 @@ def test_lap_times_split_a_lap_and_keep_clock_skewed_laps_out_of_the_links(monke
 def test_malformed_stamps_from_a_peer_are_dropped_not_fatal():
     assert stamps_from_meta(None) == []
     assert stamps_from_meta("x") == []
-    assert stamps_from_meta([[0, 1.0, 2.0], [1, 1.0, 2.0, 3.0], [True, 1, 2, 3]]) == [
-        [1, 1.0, 2.0, 3.0]]
+    assert stamps_from_meta([[0, 1.0, 2.0, 3.0], [1, 1.0, 2.0, 3.0, 0.5],
+                             [True, 1, 2, 3, 0]]) == [[1, 1.0, 2.0, 3.0, 0.5]]

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -204,7 +205,7 @@ class StageWorker:
                 batch = batch.select(keep)
                 if len(batch) == 0:
                     return batch, None
-        t_prev = now()
+        t_prev, cpu_prev = now(), time.thread_time()
         x = hidden
         for i, rt in enumerate(self.runtimes):
             last_window = self.is_last and i == len(self.runtimes) - 1
@@ -216,9 +217,9 @@ class StageWorker:
                 return batch, np.zeros(0, dtype=np.int32)
             x = rt_forward(rt, batch, x, want_rows=want)
             if self.stamp_windows:  # in-process windows: one lap-timing stamp each
-                t = now()
-                batch.timing.append([i, t_prev, t_prev, t])
-                t_prev = t
+                t, cpu = now(), time.thread_time()
+                batch.timing.append([i, t_prev, t_prev, t, cpu - cpu_prev])
+                t_prev, cpu_prev = t, cpu
         if self.is_last:
             return batch, pick_targets(x, batch.pos[batch.want], batch.sampling)
         return batch, x

@@ -1,14 +1,17 @@
 """Lap timing: where one lap's time goes, per stage and per link (docs/design.md 8).
 
-Every stage that runs a batch appends one stamp to it, ``[stage, t_in, t_start, t_end]``
-(wall-clock seconds): ``t_in`` when its node had the frame off the socket and decoded, ``t_start``
-when the stage's worker took it from the queue, ``t_end`` when its compute was done and the
-send to the next stage began. The stamps ride along the ring in the batch's META (``timing``)
+Every stage that runs a batch appends one stamp to it, ``[stage, t_in, t_start, t_end, cpu]``
+(seconds; the times on the wall clock): ``t_in`` when its node had the frame off the socket and
+decoded, ``t_start`` when the stage's worker took it from the queue, ``t_end`` when its compute
+was done and the send to the next stage began, ``cpu`` the CPU time the worker thread spent in
+between (with one llama.cpp thread, all of the compute: a wall time well above it means the
+stage was waiting for a core, i.e. the host is loaded). The stamps ride along the ring in the batch's META (``timing``)
 and come back in the RESULT. The head adds when it sent the batch and when its reader thread
 got the result, and :class:`LapTimes` turns that into:
 
-* per stage: ``wait_ms`` (queued behind earlier work or waiting for its thread to wake) and
-  ``compute_ms`` (KV operations, row pruning, the windows' llama_decode and target picking);
+* per stage: ``wait_ms`` (queued behind earlier work or waiting for its thread to wake),
+  ``compute_ms`` (KV operations, row pruning, the windows' llama_decode and target picking)
+  and ``compute_cpu_ms`` (the worker thread's CPU time in it);
 * per link (head -> stage 0, stage k -> k+1, last stage -> head): ``transfer_ms``, from one
   side's end of compute to the other side's frame decoded: encoding, sealing, the socket, the
   wire, reading and opening the frame (the sender's send is part of its outgoing link);
@@ -28,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-#: One stage's stamp in a batch's ``timing`` list: [stage, t_in, t_start, t_end].
+#: One stage's stamp in a batch's ``timing`` list: [stage, t_in, t_start, t_end, cpu].
 Stamp = list
 
 #: Laps whose send time is remembered until their result comes (results of abandoned laps
@@ -51,7 +54,7 @@ class LapTimes:
     laps: int = 0
     lap_s: float = 0.0
     head_wake_s: float = 0.0
-    # per stage: [laps seen, wait_s, compute_s]
+    # per stage: [laps seen, wait_s, compute_s, compute_cpu_s]
     stages: dict[int, list[float]] = field(default_factory=dict)
     # per link, keyed by its sending side (-1 = the head): [laps seen, transfer_s]
     links: dict[int, list[float]] = field(default_factory=dict)
@@ -78,11 +81,12 @@ class LapTimes:
         self.laps += 1
         self.lap_s += t_recv - t_sent
         self.head_wake_s += t_got - t_recv
-        for st, t_in, t_start, t_end in stamps:
-            acc = self.stages.setdefault(int(st), [0, 0.0, 0.0])
+        for st, t_in, t_start, t_end, cpu in stamps:
+            acc = self.stages.setdefault(int(st), [0, 0.0, 0.0, 0.0])
             acc[0] += 1
             acc[1] += t_start - t_in
             acc[2] += t_end - t_start
+            acc[3] += cpu
         hops = [(-1, t_sent)] + [(int(s[0]), s[3]) for s in stamps]
         arrivals = [s[1] for s in stamps] + [t_recv]
         gaps = [(src, t_arr - t_out) for (src, t_out), t_arr in zip(hops, arrivals, strict=True)]
@@ -125,8 +129,8 @@ class LapTimes:
         def ms(x: float, n: float) -> float:
             return round(x * 1e3 / max(1, n), 3)
 
-        stages = [{"stage": s, "wait_ms": ms(v[1], v[0]), "compute_ms": ms(v[2], v[0])}
-                  for s, v in sorted(self.stages.items())]
+        stages = [{"stage": s, "wait_ms": ms(v[1], v[0]), "compute_ms": ms(v[2], v[0]),
+                   "compute_cpu_ms": ms(v[3], v[0])} for s, v in sorted(self.stages.items())]
         order = sorted(self.stages)
         links = []
         for src, v in sorted(self.links.items()):
@@ -150,7 +154,7 @@ def lap_lines(view: dict[str, Any] | None) -> list[str]:
            f"{view['links_ms']:.2f} ms; head wake-up {view['head_wake_ms']:.2f} ms"]
     for s in view["stages"]:
         out.append(f"  stage {s['stage']}: wait {s['wait_ms']:.2f} ms, "
-                   f"compute {s['compute_ms']:.2f} ms")
+                   f"compute {s['compute_ms']:.2f} ms ({s['compute_cpu_ms']:.2f} ms CPU)")
     if view["links"]:
         out.append("  links: " + ", ".join(f"{lk['from']}->{lk['to']} {lk['transfer_ms']:.2f} ms"
                                            for lk in view["links"]))
@@ -164,9 +168,9 @@ def stamps_from_meta(value: Any) -> list[Stamp]:
         return []
     out: list[Stamp] = []
     for s in value:
-        if (isinstance(s, list) and len(s) == 4
+        if (isinstance(s, list) and len(s) == 5
                 and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in s)):
-            out.append([int(s[0]), float(s[1]), float(s[2]), float(s[3])])
+            out.append([int(s[0]), float(s[1]), float(s[2]), float(s[3]), float(s[4])])
     return out
 
 
@@ -192,8 +196,8 @@ def combine(views: list[dict[str, Any] | None]) -> dict[str, Any] | None:
         def pick(v: dict[str, Any], key: str, st: int = st) -> float:
             return next(s[key] for s in v["stages"] if s["stage"] == st)
 
-        out["stages"].append({"stage": st, "wait_ms": mean(lambda v: pick(v, "wait_ms"), among),
-                              "compute_ms": mean(lambda v: pick(v, "compute_ms"), among)})
+        out["stages"].append({k: mean(lambda v, k=k: pick(v, k), among) if k != "stage" else st
+                              for k in ("stage", "wait_ms", "compute_ms", "compute_cpu_ms")})
     links = list(dict.fromkeys((lk["from"], lk["to"]) for v in views for lk in v["links"]))
     out["links"] = []
     for a, b in links:

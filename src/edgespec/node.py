@@ -238,7 +238,7 @@ class Node:
                 raise WireError(f"bad batch: {e}") from None
             # Lap timing (docs/design.md 8): earlier stages' stamps, then this stage's arrival.
             batch.timing = stamps_from_meta(msg.meta.get("timing"))
-            batch.timing.append([stage, now(), 0.0, 0.0])
+            batch.timing.append([stage, now(), 0.0, 0.0, 0.0])
             slot = self._slot(stage)
             if hidden is None and slot.stage != 0:
                 raise WireError(f"stage {stage} takes hidden states, not token ids")
@@ -307,12 +307,12 @@ class Node:
                     slot.worker.apply_ops(a)
                     self._send_on(slot, "kv", (a, b))
                     continue
-                stamp = a.timing[-1] if a.timing else [slot.stage, 0.0, 0.0, 0.0]
-                stamp[2] = now()
+                stamp = a.timing[-1] if a.timing else [slot.stage, 0.0, 0.0, 0.0, 0.0]
+                stamp[2], cpu = now(), time.thread_time()
                 t = time.perf_counter()
                 batch, out = slot.worker.run(a, b)
                 slot.busy_s += time.perf_counter() - t
-                stamp[3] = now()
+                stamp[3], stamp[4] = now(), time.thread_time() - cpu
                 slot.batches += 1
                 if slot.is_last:
                     targets = out if out is not None else np.zeros(0, np.int32)
@@ -394,7 +394,7 @@ class Node:
                 batch, hidden = payload
                 # A copy, not a view: the hidden states live in this window's capture buffer,
                 # which its next decode overwrites while the next window may still be queued.
-                batch.timing.append([slot.next_local.stage, now(), 0.0, 0.0])
+                batch.timing.append([slot.next_local.stage, now(), 0.0, 0.0, 0.0])
                 slot.next_local.inbox.put(("batch", batch, np.array(hidden, copy=True)))
             return
         conn = slot.next_conn
