@@ -43,6 +43,7 @@ because that is what ``llama_batch.embd`` takes.
 from __future__ import annotations
 
 import json
+import math
 import re
 import struct
 from collections.abc import Mapping
@@ -265,12 +266,12 @@ _PER_TOKEN_KINDS = frozenset({Kind.TOKENS, Kind.HIDDEN})
 
 def _q8_layout(shape: tuple[int, ...]) -> tuple[int, int]:
     """(rows, blocks per row) of a q8 matrix of ``shape``."""
-    rows = int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
+    rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
     return rows, -(-shape[-1] // Q8_BLOCK)
 
 
 def _data_size(enc: Encoding, shape: tuple[int, ...]) -> int:
-    count = int(np.prod(shape, dtype=np.int64))
+    count = math.prod(shape)
     if enc in (Encoding.I32, Encoding.F32):
         return 4 * count
     if enc == Encoding.F16:
@@ -279,7 +280,7 @@ def _data_size(enc: Encoding, shape: tuple[int, ...]) -> int:
         rows, blocks = _q8_layout(shape)
         return rows * blocks * (2 + Q8_BLOCK)
     if enc == Encoding.BITS:
-        rows = int(np.prod(shape[:-1], dtype=np.int64))
+        rows = math.prod(shape[:-1])
         return rows * -(-shape[-1] // 8)
     return count  # JSON, BYTES: dims = (nbytes,)
 
