@@ -1,4 +1,4 @@
-"""Lap timing: where one lap's time goes, per stage and per link (docs/design.md 8).
+"""Lap timing: where one lap's time goes, per stage and per link (docs/design.md 8.1).
 
 Every stage that runs a batch appends one stamp to it, ``[stage, t_in, t_start, t_end, cpu]``
 (seconds; the times on the wall clock): ``t_in`` when its node had the frame off the socket and

@@ -72,7 +72,7 @@ LINK_TIMEOUT_S = 10.0
 
 
 
-#: Run a small batch on the thread that read it when its stage is idle (docs/design.md 8):
+#: Run a small batch on the thread that read it when its stage is idle (docs/design.md 8.3):
 #: saves a thread hand-off per stage per lap. ``EDGESPEC_NODE_INLINE=0`` turns it off (A/B).
 INLINE = os.environ.get("EDGESPEC_NODE_INLINE", "1") != "0"
 
@@ -275,7 +275,7 @@ class Node:
                 batch, hidden, stage = message_batch(msg)
             except (ValueError, KeyError) as e:  # schema-valid frame, inconsistent contents
                 raise WireError(f"bad batch: {e}") from None
-            # Lap timing (docs/design.md 8): earlier stages' stamps, then this stage's arrival.
+            # Lap timing (docs/design.md 8.1): earlier stages' stamps, then this stage's arrival.
             batch.timing = stamps_from_meta(msg.meta.get("timing"))
             batch.timing.append([stage, now(), 0.0, 0.0, 0.0])
             slot = self._slot(stage)

@@ -802,9 +802,9 @@ def _aligned(path: Path) -> bool:
 def _write_window(h: _Header, out_path: Path, arch: str, n_layer: int, n_vocab: int, fp: str,
                   a: int, b: int, progress: Any) -> None:
     role = _role(a, b, n_layer)
-    # Tensor data on cache-line boundaries (docs/design.md 3.1): the default 32-byte GGUF
+    # Tensor data on cache-line boundaries (docs/design.md 8.2): the default 32-byte GGUF
     # alignment put every tensor of a shard 32 bytes off one, which cost llama.cpp's CPU
-    # kernels 10-15% per decode (bench/results/lap_bench_overhead_after.json).
+    # kernels 10-15% per decode.
     align = max(h.alignment, SHARD_ALIGNMENT)
     kvs = [kv for kv in _window_metadata(h, arch, n_layer, n_vocab, fp, a, b, role)
            if not kv.startswith(_pack_str("general.alignment"))]

@@ -209,7 +209,7 @@ class Connection:
 
     def pending(self) -> bool:
         """Whether bytes of a next frame are already waiting to be read (never blocks). A node
-        runs a batch on the reading thread only when nothing waits behind it (docs/design.md 8)."""
+        runs a batch on the reading thread only when nothing waits behind it (docs/design.md 8.3)."""
         if self._closed:
             return False
         try:

@@ -78,7 +78,7 @@ class GenerationStats:
     # Plain laps: time from handing the batch to the chain to its result. What is left of
     # decode_s (in mode none) is the head's own work per token: engine, API, caller.
     plain_wait_s: float = 0.0
-    lap_timing: LapTimes = field(default_factory=LapTimes)  # docs/design.md 8
+    lap_timing: LapTimes = field(default_factory=LapTimes)  # docs/design.md 8.1
 
     def merged(self, earlier: GenerationStats | None) -> GenerationStats:
         """These statistics with an earlier part of the same generation added in."""
