@@ -788,27 +788,11 @@ def _plan_tensors(h: _Header, a: int, b: int, role: str) -> list[_Planned]:
     return plan
 
 
-#: Byte alignment of tensor data in the shards written here (one cache line).
-SHARD_ALIGNMENT = 64
-
-
-def _aligned(path: Path) -> bool:
-    """Whether a shard's tensor data sits on :data:`SHARD_ALIGNMENT` boundaries (a shard
-    written before that was the rule is cut again)."""
-    with _open(path) as h:
-        return h.alignment % SHARD_ALIGNMENT == 0
-
-
 def _write_window(h: _Header, out_path: Path, arch: str, n_layer: int, n_vocab: int, fp: str,
                   a: int, b: int, progress: Any) -> None:
     role = _role(a, b, n_layer)
-    # Tensor data on cache-line boundaries (docs/design.md 8.2): the default 32-byte GGUF
-    # alignment put every tensor of a shard 32 bytes off one, which cost llama.cpp's CPU
-    # kernels 10-15% per decode.
-    align = max(h.alignment, SHARD_ALIGNMENT)
-    kvs = [kv for kv in _window_metadata(h, arch, n_layer, n_vocab, fp, a, b, role)
-           if not kv.startswith(_pack_str("general.alignment"))]
-    kvs.append(_kv_u32("general.alignment", align))
+    align = h.alignment
+    kvs = _window_metadata(h, arch, n_layer, n_vocab, fp, a, b, role)
     plan = _plan_tensors(h, a, b, role)
     header = bytearray(struct.pack("<IIQQ", gguf.GGUF_MAGIC, 3, len(plan), len(kvs)))
     for entry in kvs:
@@ -937,8 +921,7 @@ def cut_window(
         if out.exists():
             try:
                 info = read_info(out)
-                if (info.fingerprint == fp and info.layer_range == (a, b)
-                        and _aligned(out)):
+                if info.fingerprint == fp and info.layer_range == (a, b):
                     return out
             except ShardError:
                 pass  # unreadable leftover: rewrite it
