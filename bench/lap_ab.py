@@ -1,8 +1,11 @@
 """A/B of node settings in one run (issue 19): the same ring, mode none, with node processes
 started under different environment variables, alternated so host load hits both alike.
 
-    .venv/bin/python -m bench.lap_ab --ab EDGESPEC_NODE_INLINE=1,EDGESPEC_NODE_INLINE=0 \
-        --stages 4 --reps 2 --out bench/results/lap_ab_inline.json
+    .venv/bin/python -m bench.lap_ab --ab OMP_WAIT_POLICY=passive,OMP_WAIT_POLICY=active \
+        --stages 4 --reps 2 --out bench/results/lap_ab_omp.json
+
+(``bench/results/lap_ab_inline*.json`` came from ``--ab EDGESPEC_NODE_INLINE=1,...=0`` on a
+node that could run idle stages' batches on the reading thread; docs/design.md 8.3.)
 
 Per run: tokens/s, CPU ms per token of head and nodes together (``lap_bench.ring_cpu_s``) and
 the lap-timing view (``edgespec.laps``). The summary averages each setting over its runs.

@@ -72,45 +72,6 @@ LINK_TIMEOUT_S = 10.0
 
 
 
-#: Run a small batch on the thread that read it when its stage is idle (docs/design.md 8.3):
-#: saves a thread hand-off per stage per lap. ``EDGESPEC_NODE_INLINE=0`` turns it off (A/B).
-INLINE = os.environ.get("EDGESPEC_NODE_INLINE", "1") != "0"
-
-#: Largest batch (rows) run inline: its compute holds up reading that connection, and a
-#: sender of big frames (prefill chunks) would stall on a full socket meanwhile.
-INLINE_MAX_ROWS = 64
-
-
-class _Inbox(queue.Queue):
-    """A stage's queue, plus who is running its work now: its worker thread, or the thread
-    that read a batch and runs it inline (only when nothing is queued, so order is kept)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.active = False
-
-    def claim(self) -> bool:
-        """Take the stage for an inline run: only when idle with nothing queued."""
-        with self.mutex:
-            if self.active or self._qsize():
-                return False
-            self.active = True
-            return True
-
-    def take(self) -> Any:
-        """The next item for the worker thread, once no inline run holds the stage."""
-        with self.not_empty:
-            while self.active or not self._qsize():
-                self.not_empty.wait()
-            self.active = True
-            return self._get()
-
-    def release(self) -> None:
-        with self.mutex:
-            self.active = False
-            self.not_empty.notify()
-
-
 @dataclass
 class StageSlot:
     """One hosted window: its runtime, its place in the ring, and its worker thread."""
@@ -120,7 +81,7 @@ class StageSlot:
     runtime: Any
     is_last: bool
     worker: StageWorker = field(init=False)
-    inbox: _Inbox = field(default_factory=_Inbox)
+    inbox: queue.Queue = field(default_factory=queue.Queue)
     next_local: StageSlot | None = None
     next_conn: Connection | None = None
     next_stage: int = -1
@@ -295,15 +256,7 @@ class Node:
             err = error_message("bad_payload", str(e), request_id=frame.header.request_id)
             err.lap_id = frame.header.lap_id
             return err
-        item = ("batch", batch, hidden)
-        if (INLINE and len(batch) <= INLINE_MAX_ROWS and not conn.pending()
-                and slot.inbox.claim()):
-            try:
-                self._process(slot, item)
-            finally:
-                slot.inbox.release()
-            return None
-        slot.inbox.put(item)
+        slot.inbox.put(("batch", batch, hidden))
         return None
 
     def _check_batch(self, slot: StageSlot, batch: Any, hidden: np.ndarray | None) -> None:
@@ -345,51 +298,44 @@ class Node:
 
     def _run_slot(self, slot: StageSlot) -> None:
         while True:
-            item = slot.inbox.take()
+            item = slot.inbox.get()
             if item is None:
                 return
+            kind, a, b = item
             try:
-                self._process(slot, item)
-            finally:
-                slot.inbox.release()
-
-    def _process(self, slot: StageSlot, item: tuple) -> None:
-        """One queued item of a stage: KV operations, or a batch (run, then passed on)."""
-        kind, a, b = item
-        try:
-            if kind == "kv":
-                slot.worker.apply_ops(a)
-                self._send_on(slot, "kv", (a, b))
-                return
-            stamp = a.timing[-1] if a.timing else [slot.stage, 0.0, 0.0, 0.0, 0.0]
-            stamp[2], cpu = now(), time.thread_time()
-            t = time.perf_counter()
-            batch, out = slot.worker.run(a, b)
-            slot.busy_s += time.perf_counter() - t
-            stamp[3], stamp[4] = now(), time.thread_time() - cpu
-            slot.batches += 1
-            if slot.is_last:
-                targets = out if out is not None else np.zeros(0, np.int32)
-                msg = result_message(batch, targets)
-                msg.fields[FieldTag.META] = {"timing": batch.timing}
+                if kind == "kv":
+                    slot.worker.apply_ops(a)
+                    self._send_on(slot, "kv", (a, b))
+                    continue
+                stamp = a.timing[-1] if a.timing else [slot.stage, 0.0, 0.0, 0.0, 0.0]
+                stamp[2], cpu = now(), time.thread_time()
+                t = time.perf_counter()
+                batch, out = slot.worker.run(a, b)
+                slot.busy_s += time.perf_counter() - t
+                stamp[3], stamp[4] = now(), time.thread_time() - cpu
+                slot.batches += 1
+                if slot.is_last:
+                    targets = out if out is not None else np.zeros(0, np.int32)
+                    msg = result_message(batch, targets)
+                    msg.fields[FieldTag.META] = {"timing": batch.timing}
+                    self._to_head(slot, msg)
+                elif out is None:
+                    # Every row was pruned on the way: the head still expects an answer.
+                    self._send_on(slot, "empty", batch)
+                else:
+                    self._send_on(slot, "batch", (batch, out))
+            except _LinkLost as e:  # the head treats it as a lost node (re-plans)
+                log.warning("%s", e)
+                msg = error_message("next_lost", str(e))
+                msg.lap_id = a.lap if kind == "batch" else int(b or 0)
                 self._to_head(slot, msg)
-            elif out is None:
-                # Every row was pruned on the way: the head still expects an answer.
-                self._send_on(slot, "empty", batch)
-            else:
-                self._send_on(slot, "batch", (batch, out))
-        except _LinkLost as e:  # the head treats it as a lost node (re-plans)
-            log.warning("%s", e)
-            msg = error_message("next_lost", str(e))
-            msg.lap_id = a.lap if kind == "batch" else int(b or 0)
-            self._to_head(slot, msg)
-        except Exception as e:  # reported to the head; the stage keeps serving
-            log.exception("stage %d failed", slot.stage)
-            lap = a.lap if kind == "batch" else int(b or 0)
-            msg = error_message("stage_failed", f"stage {slot.stage} on {self.name}: "
-                                f"{type(e).__name__}: {e}")
-            msg.lap_id = lap
-            self._to_head(slot, msg)
+            except Exception as e:  # reported to the head; the stage keeps serving
+                log.exception("stage %d failed", slot.stage)
+                lap = a.lap if kind == "batch" else int(b or 0)
+                msg = error_message("stage_failed", f"stage {slot.stage} on {self.name}: "
+                                    f"{type(e).__name__}: {e}")
+                msg.lap_id = lap
+                self._to_head(slot, msg)
 
     def _read_next(self, out: Connection) -> None:
         """Read what the next node sends back on our link to it. Nothing is expected but an

@@ -207,16 +207,6 @@ class Connection:
         """A fresh request id for this connection (1, 2, ...)."""
         return next(self._request_ids) & 0xFFFFFFFF or next(self._request_ids)
 
-    def pending(self) -> bool:
-        """Whether bytes of a next frame are already waiting to be read (never blocks). A node
-        runs a batch on the reading thread only when nothing waits behind it (docs/design.md 8.3)."""
-        if self._closed:
-            return False
-        try:
-            return bool(select.select([self._sock], [], [], 0)[0])
-        except (OSError, ValueError):
-            return False
-
     # -- sending -----------------------------------------------------------------------
 
     def _send_chunks(self, header: FrameHeader, chunks: Iterable[bytes | memoryview]) -> None:
