@@ -5,9 +5,9 @@ Every stage that runs a batch appends one stamp to it, ``[stage, t_in, t_start, 
 decoded, ``t_start`` when the stage's worker took it from the queue, ``t_end`` when its compute
 was done and the send to the next stage began, ``cpu`` the CPU time the worker thread spent in
 between (with one llama.cpp thread, all of the compute: a wall time well above it means the
-stage was waiting for a core, i.e. the host is loaded). The stamps ride along the ring in the batch's META (``timing``)
-and come back in the RESULT. The head adds when it sent the batch and when its reader thread
-got the result, and :class:`LapTimes` turns that into:
+stage was waiting for a core, i.e. the host is loaded). The stamps ride along the ring in the
+batch's META (``timing``) and come back in the RESULT. The head adds when it sent the batch
+and when its reader thread got the result, and :class:`LapTimes` turns that into:
 
 * per stage: ``wait_ms`` (queued behind earlier work or waiting for its thread to wake),
   ``compute_ms`` (KV operations, row pruning, the windows' llama_decode and target picking)
