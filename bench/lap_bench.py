@@ -26,6 +26,7 @@ summary) to ``--out`` and prints the summary tables.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -38,6 +39,7 @@ from typing import Any
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 from bench.ring_bench import Links, machine_info, run_single  # noqa: E402
+from edgespec.laps import combine, lap_lines  # noqa: E402
 
 CODE_PROMPTS = [
     "def quicksort(arr):\n",
@@ -77,7 +79,7 @@ def run_overhead(model: str, stages: list[int], n_tokens: int, log) -> list[dict
         for i, r in enumerate(runs):
             out.append({"model": model, "config": "single", "pass": tag, "prompt": i,
                         "n_tokens": len(r["tokens"]), "decode_s": r["decode_s"],
-                        "tokens_per_s": len(r["tokens"]) / r["decode_s"],
+                        "cpu_s": r["cpu_s"], "tokens_per_s": len(r["tokens"]) / r["decode_s"],
                         "load_avg_1m": r["load_avg_1m"]})
 
     single("before")
@@ -91,11 +93,14 @@ def run_overhead(model: str, stages: list[int], n_tokens: int, log) -> list[dict
                 # compute per batch is a decode lap's.
                 ring.generate(p, max_tokens=1, spec="none")
                 before = stage_busy(ring)
+                cpu0 = ring_cpu_s(ring)
                 g = ring.generate(p, max_tokens=n_tokens, spec="none")
+                cpu1 = ring_cpu_s(ring)
                 after = stage_busy(ring)
                 st = g.stats.as_dict()
                 rec = {"model": model, "config": f"ring{s}", "prompt": i,
                        "n_tokens": len(g.tokens), "decode_s": g.stats.decode_s,
+                       "cpu_s": cpu1 - cpu0,
                        "tokens_per_s": st["tokens_per_s"], "stats": st,
                        "breakdown": breakdown(g.stats, before, after),
                        "load_avg_1m": round(os.getloadavg()[0], 2)}
@@ -104,6 +109,17 @@ def run_overhead(model: str, stages: list[int], n_tokens: int, log) -> list[dict
                     f"{json.dumps(rec['breakdown'])}")
     single("after")
     return out
+
+
+def ring_cpu_s(ring: Any) -> float:
+    """CPU seconds used so far by this (head) process and every local node process, all
+    threads (Linux schedstat, nanoseconds): what a ring costs the host whatever its load."""
+    total = time.process_time()
+    for p in getattr(getattr(ring, "local_nodes", None), "procs", []):
+        for task in Path(f"/proc/{p.pid}/task").iterdir():
+            with contextlib.suppress(OSError):
+                total += int((task / "schedstat").read_text().split()[0]) / 1e9
+    return total
 
 
 def stage_busy(ring: Any) -> dict[int, tuple[float, int]]:
@@ -146,12 +162,17 @@ def summarize_overhead(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         singles = [r for r in mine if r["config"] == "single"]
         ref = statistics.mean(rate([r for r in singles if r["pass"] == p])
                               for p in ("before", "after"))
+        ref_cpu = sum(r["cpu_s"] for r in singles) * 1e3 / sum(r["n_tokens"] for r in singles)
         for cfg in dict.fromkeys(r["config"] for r in mine):
             rs = [r for r in mine if r["config"] == cfg]
             tps = rate(rs)
             row = {"model": model, "config": cfg, "tokens_per_s": round(tps, 2),
                    "x_single": round(tps / ref, 3), "ms_per_token": round(1e3 / tps, 2),
                    "extra_ms_per_token": round(1e3 / tps - 1e3 / ref, 2)}
+            # CPU per token, all processes: the tax as the host pays it, load or not.
+            cpu = sum(r["cpu_s"] for r in rs) * 1e3 / sum(r["n_tokens"] for r in rs)
+            row["cpu_ms_per_token"] = round(cpu, 2)
+            row["x_single_cpu"] = round(ref_cpu / cpu, 3)
             bd = [r["breakdown"] for r in rs if "breakdown" in r]
             if bd:
                 row["head_ms"] = round(statistics.mean(b["head"] for b in bd), 2)
@@ -159,6 +180,7 @@ def summarize_overhead(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 row["stages_ms"] = [round(statistics.mean(b["stages"][k] for b in bd), 2)
                                     for k in range(len(bd[0]["stages"]))]
                 row["rest_ms"] = round(statistics.mean(b["rest"] for b in bd), 2)
+                row["lap_timing"] = combine([r["stats"].get("lap_timing") for r in rs])
             rows.append(row)
     return rows
 
@@ -239,16 +261,22 @@ def summarize_modes(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                                         for r in rs) if all("plain_rounds" in r["stats"]
                                                             for r in rs) else "?",
                      "rounds": sum(r["stats"]["rounds"] for r in rs),
-                     "same_as_none": f"{same}/{len(rs)}"})
+                     "same_as_none": f"{same}/{len(rs)}",
+                     "lap_timing": combine([r["stats"].get("lap_timing") for r in rs])})
     return rows
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return ""
-    keys = list(dict.fromkeys(k for r in rows for k in r))
+    keys = [k for k in dict.fromkeys(k for r in rows for k in r) if k != "lap_timing"]
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     lines += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows]
+    for r in rows:  # the lap-timing view under the table, one block per row
+        view = lap_lines(r.get("lap_timing"))
+        if view:
+            lines += ["", " ".join(str(r[k]) for k in ("model", "config", "mode") if k in r)]
+            lines += view
     return "\n".join(lines)
 
 

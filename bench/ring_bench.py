@@ -70,6 +70,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 from bench import projection as projection_mod  # noqa: E402
 from bench.linkemu import LinkEmulatorThread, LinkSpec  # noqa: E402
+from edgespec.laps import combine  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 NEAR_TIE = 0.5  # same threshold as tests/ring_fixtures.NEAR_TIE (measured there)
@@ -261,7 +262,7 @@ def run_single(model_path: Path, prompts: list[list[int]], n_tokens: int, thread
             # then reuses that prefix and decodes one token per call (the ring's shapes).
             llm.eval(p[:-1])
             prefill = time.perf_counter() - t
-            t = time.perf_counter()
+            t, cpu = time.perf_counter(), time.process_time()
             toks: list[int] = []
             for tok in llm.generate(p, temp=0.0, repeat_penalty=1.0):
                 if llama_cpp.llama_vocab_is_eog(vocab, tok):
@@ -269,8 +270,8 @@ def run_single(model_path: Path, prompts: list[list[int]], n_tokens: int, thread
                 toks.append(int(tok))
                 if len(toks) >= n_tokens:
                     break
-            dt = time.perf_counter() - t
-            out.append({"tokens": toks, "decode_s": dt, "prefill_s": prefill,
+            dt, cpu = time.perf_counter() - t, time.process_time() - cpu
+            out.append({"tokens": toks, "decode_s": dt, "prefill_s": prefill, "cpu_s": cpu,
                         "load_avg_1m": round(os.getloadavg()[0], 2)})
             log(f"  single{' lookup' if lookup else ''}: {len(toks)} tok "
                 f"{len(toks) / dt:.2f} tok/s")
@@ -392,6 +393,8 @@ def aggregate(runs: list[dict[str, Any]], host: dict[str, Any]) -> list[dict[str
                 "bytes_per_token_per_stage_hop": (round(sum(hop_bytes[k] for k in stage_hops)
                                                         / len(stage_hops) / toks)
                                                   if stage_hops and toks else None),
+                # where a lap's time went, per stage and per link (edgespec.laps)
+                "lap_timing": combine([r["stats"].get("lap_timing") for r in rs]),
             })
         row["host"] = host
         rows.append(row)

@@ -49,6 +49,8 @@ class Batch:
     segment: int = 0
     pre_ops: list[KvOp] = field(default_factory=list)
     sampling: Sampling = field(default_factory=Sampling)
+    # Lap-timing stamps of the stages it went through (edgespec.laps; rides in META).
+    timing: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.tokens = np.ascontiguousarray(self.tokens, dtype=np.int32)
@@ -67,7 +69,7 @@ class Batch:
         idx = np.flatnonzero(keep)
         return Batch(self.tokens[idx], self.pos[idx], [self.seq_ids[i] for i in idx],
                      self.nodes[idx], self.want[idx], self.lap, self.segment, self.pre_ops,
-                     self.sampling)
+                     self.sampling, self.timing)
 
 
 @dataclass
@@ -78,3 +80,5 @@ class Result:
     segment: int
     nodes: np.ndarray  # int32 [k]: the wanted rows that survived pruning
     targets: np.ndarray  # int32 [k]: the target model's token at each of those nodes
+    timing: list | None = None  # the stages' lap-timing stamps (edgespec.laps)
+    received: float = 0.0  # when the head had it off the wire (edgespec.laps.now)

@@ -34,6 +34,7 @@ import numpy as np
 
 from edgespec.batch import Batch, Result
 from edgespec.errors import StageFailure
+from edgespec.laps import now
 
 # The one head -> node import (docs/design.md 7): LocalChain runs the node-side
 # StageWorker in the head's own process.
@@ -66,6 +67,7 @@ class LocalChain:
 
     def __init__(self, runtimes: Sequence, n_vocab: int) -> None:
         self.worker = StageWorker(runtimes, is_last=True)
+        self.worker.stamp_windows = True
         self.n_vocab = n_vocab
         self.n_stages = len(runtimes)
         self._queue: collections.deque[Batch | list[KvOp]] = collections.deque()
@@ -93,7 +95,7 @@ class LocalChain:
             wanted = batch.nodes[batch.want] if len(batch) else np.zeros(0, np.int32)
             if targets is None:
                 targets = np.zeros(0, dtype=np.int32)
-            return Result(item.lap, item.segment, wanted, targets)
+            return Result(item.lap, item.segment, wanted, targets, batch.timing, now())
         raise RuntimeError("next_result() with nothing submitted")
 
     def has_result(self) -> bool:

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from edgespec.laps import now, stamps_from_meta
 from edgespec.node.worker import StageWorker
 from edgespec.wire import FieldTag, Kind, Message, WireError, error_message, kv_ops_list
 from edgespec.wire import control as ctl
@@ -99,9 +100,13 @@ class StageLoop:
     def _on_batch(self, conn: Connection, frame: Frame) -> Message | None:
         try:
             try:
-                batch, hidden, stage = message_batch(frame.decode())
+                msg = frame.decode()
+                batch, hidden, stage = message_batch(msg)
             except (ValueError, KeyError) as e:  # schema-valid frame, inconsistent contents
                 raise WireError(f"bad batch: {e}") from None
+            # Lap timing (docs/design.md 8.1): earlier stages' stamps, then this stage's arrival.
+            batch.timing = stamps_from_meta(msg.meta.get("timing"))
+            batch.timing.append([stage, now(), 0.0, 0.0, 0.0])
             slot = self._slot(stage)
             if hidden is None and slot.stage != 0:
                 raise WireError(f"stage {stage} takes hidden states, not token ids")
@@ -170,13 +175,18 @@ class StageLoop:
                     slot.worker.apply_ops(a)
                     self._send_on(slot, "kv", (a, b))
                     continue
+                stamp = a.timing[-1] if a.timing else [slot.stage, 0.0, 0.0, 0.0, 0.0]
+                stamp[2], cpu = now(), time.thread_time()
                 t = time.perf_counter()
                 batch, out = slot.worker.run(a, b)
                 slot.busy_s += time.perf_counter() - t
+                stamp[3], stamp[4] = now(), time.thread_time() - cpu
                 slot.batches += 1
                 if slot.is_last:
                     targets = out if out is not None else np.zeros(0, np.int32)
-                    self._to_head(slot, result_message(batch, targets))
+                    msg = result_message(batch, targets)
+                    msg.fields[FieldTag.META] = {"timing": batch.timing}
+                    self._to_head(slot, msg)
                 elif out is None:
                     # Every row was pruned on the way: the head still expects an answer.
                     self._send_on(slot, "empty", batch)
@@ -252,6 +262,7 @@ class StageLoop:
                 batch, hidden = payload
                 # A copy, not a view: the hidden states live in this window's capture buffer,
                 # which its next decode overwrites while the next window may still be queued.
+                batch.timing.append([slot.next_local.stage, now(), 0.0, 0.0, 0.0])
                 slot.next_local.inbox.put(("batch", batch, np.array(hidden, copy=True)))
             return
         conn = slot.next_conn
@@ -266,7 +277,9 @@ class StageLoop:
                                   lap_id=int(lap or 0)))
             else:
                 batch, hidden = payload
-                conn.send(batch_message(batch, hidden, slot.encoding, stage=slot.next_stage))
+                msg = batch_message(batch, hidden, slot.encoding, stage=slot.next_stage)
+                msg.meta["timing"] = batch.timing
+                conn.send(msg)
         except TransportError as e:
             self._drop_link(conn)
             raise _LinkLost(f"stage {slot.stage} on {self.name}: link to the next node "

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 
 from edgespec.batch import Batch, Sampling
+from edgespec.laps import now
 from edgespec.tree.kvop import KvOp, KvOpCode
 
 # ------------------------------------------------------------------------- target picking
@@ -54,6 +56,7 @@ class StageWorker:
         self._pruned: collections.OrderedDict[int, set[int]] = collections.OrderedDict()
         self._pending_ops: list[KvOp] = []
         self._lock = threading.Lock()  # prune() comes from another thread on a node
+        self.stamp_windows = False  # LocalChain: stamp every window (edgespec.laps)
 
     def prune(self, lap: int, nodes: Iterable[int], ops: Sequence[KvOp]) -> None:
         with self._lock:
@@ -94,6 +97,7 @@ class StageWorker:
                 batch = batch.select(keep)
                 if len(batch) == 0:
                     return batch, None
+        t_prev, cpu_prev = now(), time.thread_time()
         x = hidden
         for i, rt in enumerate(self.runtimes):
             last_window = self.is_last and i == len(self.runtimes) - 1
@@ -104,6 +108,10 @@ class StageWorker:
                 rt_forward(rt, batch, x, want_rows=[len(batch) - 1])
                 return batch, np.zeros(0, dtype=np.int32)
             x = rt_forward(rt, batch, x, want_rows=want)
+            if self.stamp_windows:  # in-process windows: one lap-timing stamp each
+                t, cpu = now(), time.thread_time()
+                batch.timing.append([i, t_prev, t_prev, t, cpu - cpu_prev])
+                t_prev, cpu_prev = t, cpu
         if self.is_last:
             return batch, pick_targets(x, batch.pos[batch.want], batch.sampling)
         return batch, x

@@ -26,6 +26,7 @@ float32, because that is what ``llama_batch.embd`` takes.
 from __future__ import annotations
 
 import json
+import math
 import re
 import struct
 from collections.abc import Mapping
@@ -138,7 +139,7 @@ _PER_TOKEN_KINDS = frozenset({Kind.TOKENS, Kind.HIDDEN})
 
 
 def _data_size(enc: Encoding, shape: tuple[int, ...]) -> int:
-    count = int(np.prod(shape, dtype=np.int64))
+    count = math.prod(shape)
     if enc in (Encoding.I32, Encoding.F32):
         return 4 * count
     if enc == Encoding.F16:
@@ -147,7 +148,7 @@ def _data_size(enc: Encoding, shape: tuple[int, ...]) -> int:
         rows, blocks = q8_layout(shape)
         return rows * blocks * (2 + Q8_BLOCK)
     if enc == Encoding.BITS:
-        rows = int(np.prod(shape[:-1], dtype=np.int64))
+        rows = math.prod(shape[:-1])
         return rows * -(-shape[-1] // 8)
     return count  # JSON, BYTES: dims = (nbytes,)
 

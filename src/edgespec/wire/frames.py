@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from edgespec.batch import Batch, Result, Sampling
+from edgespec.laps import now, stamps_from_meta
 from edgespec.wire.codec import HIDDEN_ENCODINGS, FieldTag, Message, kv_ops_list
 from edgespec.wire.header import Kind
 from edgespec.wire.messages import seq_lists, seq_matrix
@@ -91,4 +92,5 @@ def message_result(msg: Message) -> Result:
     nodes = np.asarray(msg.fields.get(FieldTag.NODES, np.zeros(0, np.int32)), np.int32)
     if len(nodes) != len(targets):
         raise ValueError("RESULT: NODES and ACCEPTED differ in length")
-    return Result(msg.lap_id, msg.segment_id, nodes, targets)
+    return Result(msg.lap_id, msg.segment_id, nodes, targets,
+                  stamps_from_meta(msg.meta.get("timing")), now())

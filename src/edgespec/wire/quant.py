@@ -6,6 +6,8 @@ Blocks of ``Q8_BLOCK`` values along the last axis, one float16 scale per block, 
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from edgespec.wire.header import WireError
@@ -15,7 +17,7 @@ Q8_BLOCK = 32
 
 def q8_layout(shape: tuple[int, ...]) -> tuple[int, int]:
     """(rows, blocks per row) of a q8 matrix of ``shape``."""
-    rows = int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
+    rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
     return rows, -(-shape[-1] // Q8_BLOCK)
 
 

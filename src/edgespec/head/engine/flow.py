@@ -73,6 +73,7 @@ class FlowRounds:
                     if not self.chain.has_result() and self._draft_ahead(rnd, sampling, seg):
                         continue
                     res = self.chain.next_result()
+                    self.stats.lap_timing.got(res)
                     self.stats.laps += 1
                     if res.lap != rnd.lap:
                         stale[res.lap] -= 1  # a decided tree's segment: already pruned

@@ -35,6 +35,7 @@ class NoneRounds:
                            np.zeros(1, np.int32), np.ones(1, bool), lap=self._new_lap(),
                            sampling=sampling))
         res = self.chain.next_result()
+        self.stats.lap_timing.got(res)
         waited = time.perf_counter() - t
         self.cost.observe_lap(1, waited * 1e3)
         self.stats.plain_wait_s += waited

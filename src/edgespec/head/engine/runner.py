@@ -168,6 +168,7 @@ class SpecEngine(NoneRounds, SyncRounds, FlowRounds):
             raise
         finally:
             self.stats.decode_s = time.perf_counter() - t1
+            self.stats.lap_timing.log(log)  # the lap-timing view with -v (DEBUG)
             if not failed:
                 # Close the round generator now (not at garbage collection): a round cut
                 # short registers its batches in flight, which are drained right after.
@@ -218,6 +219,7 @@ class SpecEngine(NoneRounds, SyncRounds, FlowRounds):
             batch.pre_ops = self._pending_ops + list(batch.pre_ops)
             self._pending_ops = []
         self.stats.rows_sent += len(batch)
+        self.stats.lap_timing.sent(batch)
         self.chain.submit(batch)
 
     def _drain_stale(self) -> None:
@@ -225,6 +227,7 @@ class SpecEngine(NoneRounds, SyncRounds, FlowRounds):
         ``next_result`` gets its own."""
         while sum(self._stale.values()) > 0:
             res = self.chain.next_result()
+            self.stats.lap_timing.got(res)
             if self._stale[res.lap] <= 0:
                 raise RuntimeError(f"unexpected result for lap {res.lap} while draining")
             self._stale[res.lap] -= 1

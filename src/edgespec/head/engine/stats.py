@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from edgespec.laps import LapTimes
+
 
 @dataclass
 class GenerationStats:
@@ -30,6 +32,7 @@ class GenerationStats:
     # Plain laps: time from handing the batch to the chain to its result. What is left of
     # decode_s (in mode none) is the head's own work per token: engine, API, caller.
     plain_wait_s: float = 0.0
+    lap_timing: LapTimes = field(default_factory=LapTimes)  # docs/design.md 8.1
 
     def merged(self, earlier: GenerationStats | None) -> GenerationStats:
         """These statistics with an earlier part of the same generation added in."""
@@ -42,6 +45,7 @@ class GenerationStats:
                      "rows_sent", "rows_pruned", "recoveries", "plain_rounds", "probes",
                      "plain_wait_s"):
             setattr(out, name, getattr(out, name) + getattr(earlier, name))
+        out.lap_timing = self.lap_timing.merged(earlier.lap_timing)
         return out
 
     @property
@@ -68,4 +72,5 @@ class GenerationStats:
             "probes": self.probes,
             "plain_lap_ms": round(self.plain_wait_s * 1e3 / self.plain_rounds, 2)
             if self.plain_rounds else None,
+            "lap_timing": self.lap_timing.as_dict(),
         }

@@ -43,6 +43,7 @@ class SyncRounds:
             rnd = self._new_tree(root, sampling, budget)
             self._send_rows(rnd, sampling, 1)
             res = self.chain.next_result()
+            self.stats.lap_timing.got(res)
             self.stats.laps += 1
             self.cost.observe_lap(rnd.sent_rows, (time.perf_counter() - rnd.t0) * 1e3)
             decision = rnd.verifier.feed_targets(res.targets, 0, rows=res.nodes)
