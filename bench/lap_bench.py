@@ -145,7 +145,7 @@ def breakdown(stats: Any, before: dict[int, tuple[float, int]],
         b0, n0 = before.get(st, (0.0, 0))
         b1, n1 = after[st]
         comp.append(round((b1 - b0) * 1e3 / max(1, n1 - n0), 2))
-    lap = stats.plain_wait_s * 1e3 / max(1, stats.plain_rounds)
+    lap = stats.plain_wait_s * 1e3 / max(1, stats.plain_steps)
     return {"ms_per_token": round(stats.decode_s * 1e3 / n, 2),
             "head": round((stats.decode_s - stats.plain_wait_s) * 1e3 / n, 2),
             "lap": round(lap, 2), "stages": comp, "rest": round(lap - sum(comp), 2)}
@@ -235,8 +235,8 @@ def run_modes(target: str, draft: str | None, stages: int, hop_ms: float, modes:
                                 "tokens_per_s": st["tokens_per_s"], "tokens": g.tokens,
                                 "stats": st, "load_avg_1m": round(os.getloadavg()[0], 2)})
                     log(f"  p{i} {m:<5} ({st['mode']}) {st['tokens_per_s']:7.2f} tok/s  "
-                        f"rounds {st['rounds']} plain {st.get('plain_rounds', '-')} "
-                        f"acc/round {st['mean_accepted_per_round']:.2f}")
+                        f"steps {st['steps']} plain {st.get('plain_steps', '-')} "
+                        f"acc/round {st['mean_accepted_per_step']:.2f}")
     finally:
         if links:
             links.close()
@@ -256,11 +256,11 @@ def summarize_modes(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         same = sum(r["tokens"] == n["tokens"] for r, n in zip(rs, none, strict=False))
         rows.append({"mode": m, "tokens_per_s": round(tps, 2),
                      "x_none": round(tps / ref, 3) if ref else None,
-                     # (an engine from before plain_rounds was counted: unknown)
-                     "tree_rounds": sum(r["stats"]["rounds"] - r["stats"]["plain_rounds"]
-                                        for r in rs) if all("plain_rounds" in r["stats"]
+                     # (an engine from before plain_steps was counted: unknown)
+                     "tree_steps": sum(r["stats"]["steps"] - r["stats"]["plain_steps"]
+                                        for r in rs) if all("plain_steps" in r["stats"]
                                                             for r in rs) else "?",
-                     "rounds": sum(r["stats"]["rounds"] for r in rs),
+                     "steps": sum(r["stats"]["steps"] for r in rs),
                      "same_as_none": f"{same}/{len(rs)}",
                      "lap_timing": combine([r["stats"].get("lap_timing") for r in rs])})
     return rows

@@ -29,7 +29,7 @@ users of the host hits all modes alike.
 Outputs in ``--out`` (prefix ``ring_bench`` or ``ring_bench_quick``):
 
 - ``<prefix>.jsonl``: one JSON line per (mode, drafter, budget, hop) with tokens/s, ms/token,
-  laps/token, tokens per round, bytes per token on each link, ratios to ``none`` (same hop)
+  laps/token, tokens per step, bytes per token on each link, ratios to ``none`` (same hop)
   and to ``single``, greedy identity, host details.
 - ``<prefix>_runs.jsonl``: every generation (written as it finishes; tokens included).
 - ``<prefix>.md``: the table, identity report, projection and the exact command.
@@ -332,7 +332,7 @@ def run_ring(target: Path, draft: Path | None, drafter: str, stages: int, hop_ms
                     record(rec)
                     log(f"  p{pi} {mode:<5} {rec['drafter']:<9} b={rec['budget']!s:<4} "
                         f"{st['tokens_per_s']:7.2f} tok/s  acc/round "
-                        f"{st['mean_accepted_per_round']:.2f}  last budget {st['budget']}")
+                        f"{st['mean_accepted_per_step']:.2f}  last budget {st['budget']}")
             eng.fixed_budget = None
     finally:
         links.close()
@@ -369,7 +369,7 @@ def aggregate(runs: list[dict[str, Any]], host: dict[str, Any]) -> list[dict[str
             row["load_avg_1m_mean"] = round(statistics.mean(loads), 2)
         if mode != "single":
             laps = sum(r["stats"]["laps"] for r in rs)
-            rounds = sum(r["stats"]["rounds"] for r in rs)
+            rounds = sum(r["stats"]["steps"] for r in rs)
             gained = sum(k * v for r in rs for k, v in
                          ((int(k), int(v)) for k, v in r["stats"]["accepted_hist"].items()))
             rows_sent = sum(r["stats"]["rows_sent"] - r["stats"]["prefill_tokens"] + 1

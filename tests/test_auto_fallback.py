@@ -98,17 +98,17 @@ def test_useless_drafter_decodes_plain_laps(ring, mode):
     ref = _decode(SpecEngine(ring.chain, n_ctx=1024), prompt, n, "none")
     engine = SpecEngine(ring.chain, n_ctx=1024,
                         drafter=WrongDrafter(prompt + ref, ring.tokenizer.n_vocab))
-    # First generation: a one-round trial, then one-round probes after 9, 17, 33 plain laps.
-    # Second: its own trial round (the drafter may suit this prompt), then the probing
+    # First generation: a one-step trial, then one-step probes after 9, 17, 33 plain laps.
+    # Second: its own trial step (the drafter may suit this prompt), then the probing
     # interval the first one reached (64).
     for generation, most in ((0, 5), (1, 2)):
         assert _decode(engine, prompt, n, mode) == ref
         s = engine.stats
         assert s.mode == "flow"
-        trees = s.rounds - s.plain_rounds
-        assert 1 <= trees <= most, f"generation {generation}: {trees} tree rounds of {s.rounds}"
-        assert s.plain_rounds >= n - most
-        assert s.as_dict()["plain_rounds"] == s.plain_rounds
+        trees = s.steps - s.plain_steps
+        assert 1 <= trees <= most, f"generation {generation}: {trees} tree steps of {s.steps}"
+        assert s.plain_steps >= n - most
+        assert s.as_dict()["plain_steps"] == s.plain_steps
         assert s.as_dict()["plain_lap_ms"] > 0  # the lap-timing view: a plain lap's wait
         if generation == 0:
             assert s.probes >= 1
@@ -117,7 +117,7 @@ def test_useless_drafter_decodes_plain_laps(ring, mode):
 @pytest.fixture(scope="module")
 def heavier_ring(tmp_path_factory):
     # Big enough that a lap costs several milliseconds: on the 64-wide model a lap is
-    # ~1 ms, less than the head's own work per tree round, so there trees rightly lose.
+    # ~1 ms, less than the head's own work per tree step, so there trees rightly lose.
     path = make_tiny_gguf(tmp_path_factory.mktemp("auto") / "heavier.gguf", "qwen2",
                           n_layer=8, n_embd=512, seed=3)
     with Ring.local(path, stages=2, processes=False, n_ctx=1024) as r:
@@ -135,7 +135,7 @@ def test_useful_drafter_keeps_its_trees(heavier_ring):
     s = engine.stats
     assert s.mode == "flow"
     assert s.mean_accepted > 2
-    # Tokens from tree rounds. (The first one-round trial may lose on this serial in-process
+    # Tokens from tree steps. (The first one-step trial may lose on this serial in-process
     # chain, where a round is as many laps as it gains tokens early on: then 8 plain laps
     # follow before the probe that wins.)
-    assert s.tokens - s.plain_rounds > 3 * s.plain_rounds
+    assert s.tokens - s.plain_steps > 3 * s.plain_steps

@@ -34,7 +34,7 @@ pytestmark = pytest.mark.real_model
 TURN1 = "Give a Python expression that reverses a string s. Reply with the code only."
 TURN2 = "Now one that makes s upper case. Code only."
 PROMPT = re.compile(r"\n> $")
-STATS_LINE = re.compile(r"\n\[(\d+) tokens in [\d.]+ s: [\d.]+ tok/s, [\d.]+ tokens/round "
+STATS_LINE = re.compile(r"\n\[(\d+) tokens in [\d.]+ s: [\d.]+ tok/s, [\d.]+ tokens/step "
                         r"\((\w+)\), prompt (\d+) tokens, (\d+) computed\]\n")
 
 

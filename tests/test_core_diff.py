@@ -81,7 +81,7 @@ def assert_decision_equal(d: core.Decision, e: ref.RefDecision) -> None:
     assert d.bonus == e.bonus and d.need_row == e.need_row and d.n_processed == e.n_processed
 
 
-def assert_plan_equal(p: core.Plan, e: dict) -> None:
+def assert_plan_equal(p: core.KvPlan, e: dict) -> None:
     assert p.ops.reshape(-1, 5).tolist() == e["ops"]
     for k in ("survivors", "remap", "path", "tokens"):
         assert getattr(p, k).tolist() == e[k], k

@@ -54,7 +54,7 @@ def test_demo_answer_is_the_models_greedy_answer(demo_run, real_model_path):
     out = demo_run.stdout
     start = out.index(f">>> {PROMPT}\n\n") + len(PROMPT) + 6
     summary = re.search(r"\n\n(\d+) tokens in [\d.]+ s = [\d.]+ tokens/s; mode (\w+), "
-                        r"[\d.]+ tokens per round over (\d+) rounds \((\d+) laps\)\n", out)
+                        r"[\d.]+ tokens per step over (\d+) steps \((\d+) laps\)\n", out)
     assert summary is not None, out
     answer = out[start: summary.start()]
     assert "def is_palindrome" in answer  # coherent: it answers the question asked
@@ -81,12 +81,12 @@ def test_demo_prints_statistics_json(demo_run):
     stats = json.loads(block)
     assert stats["mode"] == "flow" and stats["tokens"] == N
     assert stats["prompt_tokens"] == stats["prefill_tokens"] > len(PROMPT.split())
-    assert stats["rounds"] > 0 and stats["laps"] >= stats["rounds"]
+    assert stats["steps"] > 0 and stats["laps"] >= stats["steps"]
     hist = {int(k): v for k, v in stats["accepted_hist"].items()}
-    assert sum(hist.values()) == stats["rounds"]
+    assert sum(hist.values()) == stats["steps"]
     # Every round gains at least its bonus token; the last may overshoot max_tokens.
     assert sum(k * v for k, v in hist.items()) >= N
     assert stats["tokens_per_s"] > 0 and stats["decode_ms"] > 0
-    summary = re.search(r"over (\d+) rounds \((\d+) laps\)", out)
+    summary = re.search(r"over (\d+) steps \((\d+) laps\)", out)
     assert summary is not None
-    assert (int(summary.group(1)), int(summary.group(2))) == (stats["rounds"], stats["laps"])
+    assert (int(summary.group(1)), int(summary.group(2))) == (stats["steps"], stats["laps"])

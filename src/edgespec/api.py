@@ -364,7 +364,7 @@ class Ring:
     def add_listener(self, fn: Callable[[dict], None]) -> None:
         """Call ``fn(event)`` on the generating thread for every tree event: rows sent
         (``rows``: node, parent, token), partial verification (``verify``: accepted path,
-        rejected rows), a round's decision (``decide``: path, bonus token) and plain one-token
+        rejected rows), a step's decision (``decide``: path, bonus token) and plain one-token
         laps (``plain``). ``fn`` must be quick; with no listener no event is built."""
         self.engine.listeners.append(fn)
 

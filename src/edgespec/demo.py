@@ -42,7 +42,7 @@ def run_demo(args: argparse.Namespace) -> int:
         s = gen.stats
         print("\n")
         print(f"{s.tokens} tokens in {s.decode_s:.2f} s = {s.tokens_per_s:.1f} tokens/s; "
-              f"mode {s.mode}, {s.mean_accepted:.2f} tokens per round over {s.rounds} rounds "
+              f"mode {s.mode}, {s.mean_accepted:.2f} tokens per step over {s.steps} steps "
               f"({s.laps} laps)")
         print(json.dumps(s.as_dict(), indent=2))
     print(f"\ntotal {time.perf_counter() - t0:.1f} s", file=sys.stderr)

@@ -127,7 +127,7 @@ def chat_loop(backend: Backend, *, stdin: TextIO | None = None, stdout: TextIO |
 
 def _stream_answer(backend: Backend, text: str, screen: Screen
                    ) -> tuple[Any, BaseException | None]:
-    """Stream one answer from a worker thread; Ctrl-C cancels it at the next round and keeps
+    """Stream one answer from a worker thread; Ctrl-C cancels it at the next step and keeps
     what was shown. Returns (reply, error)."""
     cancel = threading.Event()
     pieces: queue.Queue = queue.Queue()
@@ -151,13 +151,13 @@ def _stream_answer(backend: Backend, text: str, screen: Screen
                 break
             screen.write(item)
         except KeyboardInterrupt:
-            # The ring finishes its current round; the pieces of that round still print, and
+            # The ring finishes its current step; the pieces of that step still print, and
             # the mark goes after them, where the answer really ends.
             cancel.set()
     while t.is_alive():
         try:
             t.join()
-        except KeyboardInterrupt:  # a second Ctrl-C while the round ends: already stopping
+        except KeyboardInterrupt:  # a second Ctrl-C while the step ends: already stopping
             cancel.set()
     if cancel.is_set():
         screen.write(" [stopped]")

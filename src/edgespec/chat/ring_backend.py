@@ -60,7 +60,7 @@ def _eog_of(ring: Ring) -> int | None:
 def stats_line(gen: Generation) -> str:
     s = gen.stats
     return (f"[{s.tokens} tokens in {s.decode_s:.2f} s: {s.tokens_per_s:.1f} tok/s, "
-            f"{s.mean_accepted:.2f} tokens/round ({s.mode}), prompt {s.prompt_tokens} tokens, "
+            f"{s.mean_accepted:.2f} tokens/step ({s.mode}), prompt {s.prompt_tokens} tokens, "
             f"{s.prefill_tokens} computed]")
 
 

@@ -107,7 +107,7 @@ class ServerBackend:
         with self._request("/v1/chat/completions", body) as resp:
             for raw in resp:
                 if cancel.is_set():
-                    break  # closing the stream stops the server's generation at its next round
+                    break  # closing the stream stops the server's generation at its next step
                 line = raw.decode("utf-8", errors="replace").strip()
                 if not line.startswith("data:"):
                     continue

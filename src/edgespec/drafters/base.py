@@ -9,7 +9,7 @@ Vocabulary used by every drafter:
 
 * **history**: the prompt plus every accepted token, in order. Its last token is the *root*: it
   is accepted but the target has not processed it yet; the next tree hangs below it.
-* **round**: everything between two ``accept`` calls. Within a round a drafter remembers the
+* **step**: everything between two ``accept`` calls. Within a step a drafter remembers the
   nodes it already proposed (by their token path below the root), so that ``propose_under``
   returns new nodes instead of repeating old ones.
 * **path**: a tuple of token ids below the root, ``()`` being the root itself.
@@ -115,8 +115,8 @@ def check_request(budget: int, max_depth: int) -> None:
         raise ValueError(f"max_depth must be an integer >= 0, got {max_depth!r}")
 
 
-class RoundLedger:
-    """Token paths (below the root) already proposed in the current round.
+class StepLedger:
+    """Token paths (below the root) already proposed in the current step.
 
     ``propose_under`` uses it to return only new nodes, plus the already-proposed nodes needed to
     connect them to the requested node (those duplicates are merged by the C++ tree).
@@ -146,13 +146,13 @@ class RoundLedger:
 class Drafter(abc.ABC):
     """Proposes trees of candidate tokens for the target model to verify in one lap.
 
-    Call order: ``begin`` once per generation, then rounds of ``propose`` (and any number of
+    Call order: ``begin`` once per generation, then steps of ``propose`` (and any number of
     ``propose_under`` while the ring is busy) closed by one ``accept``. Drafters are not
     thread-safe: an engine that expands from another thread must serialise the calls.
     """
 
     def __init__(self) -> None:
-        self._ledger = RoundLedger()  # nodes proposed (by anyone) in the current round
+        self._ledger = StepLedger()  # nodes proposed (by anyone) in the current step
 
     # Start a generation: forget the previous one and index/prefill the prompt.
     @abc.abstractmethod
@@ -166,7 +166,7 @@ class Drafter(abc.ABC):
     @abc.abstractmethod
     def propose_under(self, path: Sequence[int], budget: int, max_depth: int) -> DraftTree: ...
 
-    # The target accepted these tokens (accepted tree path, then the bonus token); end the round.
+    # The target accepted these tokens (accepted tree path, then the bonus token); end the step.
     @abc.abstractmethod
     def accept(self, accepted_tokens: Sequence[int]) -> None: ...
 
@@ -174,11 +174,11 @@ class Drafter(abc.ABC):
     def close(self) -> None:  # noqa: B027 - an optional hook, not abstract
         """Free resources; the default drafter holds none."""
 
-    # Tell the drafter that these nodes (rooted at `under`) are already in this round's tree.
+    # Tell the drafter that these nodes (rooted at `under`) are already in this step's tree.
     def note_proposed(self, tree: DraftTree, under: Sequence[int] = ()) -> None:
-        """Record nodes proposed by someone else (e.g. the hybrid's other drafter) this round.
+        """Record nodes proposed by someone else (e.g. the hybrid's other drafter) this step.
 
-        ``propose_under`` will not propose them again. Call after ``propose`` opened the round.
+        ``propose_under`` will not propose them again. Call after ``propose`` opened the step.
         """
         self._ledger.add_tree(tree, tuple(int(t) for t in under))
 
@@ -202,7 +202,7 @@ class Drafter(abc.ABC):
 def select_new(
     candidates: Iterable[tuple[Path, int, float]],
     under: Path,
-    ledger: RoundLedger,
+    ledger: StepLedger,
     budget: int,
 ) -> DraftTree:
     """Keep up to ``budget`` new nodes of a candidate tree, plus the known ancestors they need.

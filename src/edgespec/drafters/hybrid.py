@@ -68,7 +68,7 @@ class HybridDrafter(Drafter):
         self._check_root(root)
         self._ledger.clear()
         first = self.retrieval.propose(root, self._retrieval_budget(budget), max_depth)
-        # Opens the model's round (and catches its KV up) even when retrieval used the budget.
+        # Opens the model's step (and catches its KV up) even when retrieval used the budget.
         self.model.propose(root, 0, max_depth)
         return self._fill((), first, budget, max_depth)
 

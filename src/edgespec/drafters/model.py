@@ -44,12 +44,12 @@ __all__ = ["DraftModelDrafter"]
 _LLAMA_MAX_SEQ = 256  # llama.cpp's compile-time limit on sequence ids per context
 
 
-# -- the round's tree ------------------------------------------------------------------------
+# -- the step's tree ------------------------------------------------------------------------
 
 
 @dataclass(eq=False)
 class _Node:
-    """One drafted (or path) token of the current round."""
+    """One drafted (or path) token of the current step."""
 
     path: Path  # tokens below the root, () for the root
     token: int
@@ -80,7 +80,7 @@ class DraftModelDrafter(Drafter):
         n_ctx: KV cells: prompt + generated text + one tree must fit.
         top_k: children considered under each decoded node.
         width: candidates turned into nodes (and decoded together) per ``llama_decode`` call.
-        max_tree_seqs: tree sequences (about the number of branches) one round may use.
+        max_tree_seqs: tree sequences (about the number of branches) one step may use.
         n_threads: llama.cpp threads (1 when several contexts share a small host, docs/design.md 3.7).
         n_batch: tokens per decode call when catching up with long prompts.
     """
@@ -187,7 +187,7 @@ class DraftModelDrafter(Drafter):
         if not toks:
             raise ValueError("begin() needs at least one prompt token (the first root)")
         self._require_open()
-        self._end_round()
+        self._end_tree()
         # Keep the KV of the longest common prefix with the previous text (chat turns share
         # their history); at least the last prompt token is decoded again for its logits.
         keep, limit = 0, min(self._n_kv, len(toks) - 1)
@@ -203,15 +203,15 @@ class DraftModelDrafter(Drafter):
         check_request(budget, max_depth)
         self._check_root(root)
         self._require_open()
-        self._end_round()  # a proposal without accept() in between restarts the round
-        return self._search(self._start_round(), budget, max_depth)
+        self._end_tree()  # a proposal without accept() in between restarts the step
+        return self._search(self._start_tree(), budget, max_depth)
 
     def propose_under(self, path: Sequence[int], budget: int, max_depth: int) -> DraftTree:
         check_request(budget, max_depth)
         self._require_open()
         if not self._history:
             raise RuntimeError("propose_under() called before begin()")
-        root = self._root if self._root is not None else self._start_round()
+        root = self._root if self._root is not None else self._start_tree()
         node = root
         for tok in self._validated(path):
             node = node.child(tok)
@@ -241,7 +241,7 @@ class DraftModelDrafter(Drafter):
             whole = deepest is not None and len(deepest.path) == len(toks)
             self._root_children = deepest.children if whole else None
         self._history.extend(toks)
-        self._end_round()
+        self._end_tree()
 
     # -- statistics used by tests and the bench ----------------------------------------------
 
@@ -254,9 +254,9 @@ class DraftModelDrafter(Drafter):
         """Highest position stored for ``seq`` (-1 if none): lets tests check the KV layout."""
         return int(capi.llama_memory_seq_pos_max(self._mem, seq))
 
-    # -- rounds -------------------------------------------------------------------------------
+    # -- steps -------------------------------------------------------------------------------
 
-    def _start_round(self) -> _Node:
+    def _start_tree(self) -> _Node:
         self._catch_up()
         root = _Node((), self._history[-1], 0.0, None, seq=0, pos=len(self._history) - 1)
         root.seq_continued = True  # seq 0 is the committed text: tree nodes never extend it
@@ -264,7 +264,7 @@ class DraftModelDrafter(Drafter):
         self._root = root
         return root
 
-    def _end_round(self) -> None:
+    def _end_tree(self) -> None:
         if self._free_seqs != list(range(self._max_tree_seqs, 0, -1)):
             capi.llama_memory_seq_keep(self._mem, 0)
         self._free_seqs = list(range(self._max_tree_seqs, 0, -1))

@@ -137,7 +137,7 @@ class RetrievalDrafter(Drafter):
     def propose(self, root: int, budget: int, max_depth: int) -> DraftTree:
         check_request(budget, max_depth)
         self._check_root(root)
-        self._ledger.clear()  # a new round starts at a new root
+        self._ledger.clear()  # a new step starts at a new root
         return self._propose((), budget, max_depth)
 
     def propose_under(self, path: Sequence[int], budget: int, max_depth: int) -> DraftTree:

@@ -2,7 +2,7 @@
 
 A draft model only proposes; the target verifies every proposed token, so the draft's precision
 changes how many proposals are accepted, never what is generated. Drafting sits on the critical
-path of every round, and on CPUs llama.cpp's repacked Q4_0 kernels are much faster than the
+path of every step, and on CPUs llama.cpp's repacked Q4_0 kernels are much faster than the
 types small models often ship in: Qwen2.5-Coder-0.5B comes as Q5_0/Q8_0 (its 896-wide rows do
 not fit Q4_K's 256-blocks, so "Q4_K_M" fell back to Q5_0) and decodes a token in 33 ms on one
 core of the AMD EPYC we test on; its Q4_0 copy takes 19 ms and is accepted about as often

@@ -32,7 +32,7 @@ count requests since start; ``recoveries`` counts ring rebuilds after a node was
 
 ``GET /`` serves a single page (files shipped in the package under ``edgespec/web``: no build
 step, nothing from a CDN): a chat over the endpoints above, the ring drawn live, the token
-tree of the current round as verification decides it, and charts over the session. Its live
+tree of the current step as verification decides it, and charts over the session. Its live
 data comes from ``GET /v1/ring`` (JSON: ``Ring.describe()`` plus per-stage compute time per
 batch, the queue, and a record per finished generation) and ``GET /v1/ring/events``
 (server-sent events: ``ring`` snapshots every 3 s, ``tree`` events batched every 0.5 s,
@@ -45,9 +45,9 @@ asks for the key); without it, 401.
 One ring holds one KV cache, so requests run one at a time in arrival order (a FIFO gate):
 nothing from one request can leak into another's context. The queue is bounded: besides the
 request being served, at most ``max_queue`` wait; one beyond that gets 429 at once instead of
-waiting without end. A client that disconnects stops its generation at the next round (or
+waiting without end. A client that disconnects stops its generation at the next step (or
 before it starts, if it was still queued), so abandoned requests do not hold the ring. SIGTERM
-or SIGINT stops every generation at its next round (streams end with ``finish_reason:
+or SIGINT stops every generation at its next step (streams end with ``finish_reason:
 "stop"``), so the server exits promptly even mid-answer and the caller closes the ring.
 FastAPI/uvicorn are used because they are the standard ASGI stack for this kind of API.
 
@@ -115,7 +115,7 @@ def create_app(ring: Ring, model_name: str, max_queue: int = 16,
                api_key: str | None = None) -> FastAPI:
     """The ASGI app serving ``ring`` under ``model_name`` (``aliases``: other names clients
     may use for it, e.g. the registry name). ``app.state.shutdown()`` stops every generation
-    at its next round and refuses new requests (``serve`` calls it on SIGTERM/SIGINT).
+    at its next step and refuses new requests (``serve`` calls it on SIGTERM/SIGINT).
     ``api_key``: every endpoint, the page and its live stream included, then needs it."""
     app = FastAPI(title="edgespec", version="1", docs_url=None, redoc_url=None,
                   openapi_url=None)
@@ -212,7 +212,7 @@ def serve(ring: Ring, model_name: str, host: str = "127.0.0.1", port: int = 8080
           ) -> None:
     """Run the server until SIGINT or SIGTERM, then return (so the caller closes the ring).
 
-    A signal first stops every generation at its next round, so in-flight answers end at
+    A signal first stops every generation at its next step, so in-flight answers end at
     once (streams with ``finish_reason: "stop"``) instead of holding the shutdown until they
     complete; uvicorn's graceful shutdown is bounded as a backstop."""
     import uvicorn
@@ -246,7 +246,7 @@ def serve(ring: Ring, model_name: str, host: str = "127.0.0.1", port: int = 8080
         _Server(config).run()
     finally:
         app.state.shutdown()
-        # The generation threads stop at their next round; let them leave the ring before the
+        # The generation threads stop at their next step; let them leave the ring before the
         # caller closes it.
         app.state.gate.wait_idle(30)
         for sig, handler in saved.items():

@@ -71,7 +71,7 @@ class _Inflight:
             self._events.discard(ev)
 
     def close(self) -> None:
-        """Stop every admitted generation at its next round and refuse new ones."""
+        """Stop every admitted generation at its next step and refuse new ones."""
         with self._lock:
             self.closing = True
             events = list(self._events)

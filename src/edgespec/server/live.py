@@ -25,7 +25,7 @@ class _Live:
     times derived from two successive snapshots."""
 
     #: How often a subscriber is sent the tree events gathered meanwhile, and at most how
-    #: many per flush (the page draws the latest round only).
+    #: many per flush (the page draws the latest step only).
     FLUSH_S = 0.5
     MAX_EVENTS = 400
     #: Ring snapshots (one health round trip per node) at most this often, for all pages.

@@ -99,7 +99,7 @@ class Completions:
         self.live.add_generation({
             "time": time.time(), "kind": kind, "mode": st.mode, "tokens": st.tokens,
             "prompt_tokens": st.prompt_tokens, "tokens_per_s": round(st.tokens_per_s, 3),
-            "laps": st.laps, "rounds": st.rounds,
+            "laps": st.laps, "steps": st.steps,
             "tokens_per_lap": round(st.tokens / st.laps, 3) if st.laps else 0.0,
             "accepted_hist": {str(k): v for k, v in sorted(st.accepted_hist.items())},
             "ttft_ms": None if ttft is None else round(ttft * 1e3, 1),
@@ -128,7 +128,7 @@ class Completions:
                 stream = make_stream()
                 for piece in stream:
                     if ttft is None:
-                        ttft = time.perf_counter() - t0  # prefill + first round
+                        ttft = time.perf_counter() - t0  # prefill + first step
                     put(piece)
                 gen = stream.result
                 if gen is not None:

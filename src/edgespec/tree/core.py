@@ -98,7 +98,7 @@ class Layout(NamedTuple):
         return self.start + len(self.tokens)
 
 
-class Plan(NamedTuple):
+class KvPlan(NamedTuple):
     """KV rollback plan after a decision (see module docstring)."""
 
     ops: np.ndarray  # int32 [k, 5]
@@ -166,13 +166,13 @@ class TokenTree(_core.TokenTree):
         n = self.n_rows
         return self.tokens()[:n], self.parents()[:n]
 
-    def commit(self, decision: Decision) -> Plan:
+    def commit(self, decision: Decision) -> KvPlan:
         """Plan for an ACCEPTED decision; the tree restarts at the bonus token."""
-        return Plan(**_core.plan_commit(self, decision))
+        return KvPlan(**_core.plan_commit(self, decision))
 
-    def prune(self, decision: Decision) -> Plan:
+    def prune(self, decision: Decision) -> KvPlan:
         """Plan for a PENDING decision (FlowSpec): rejected rows die, their leaf seqs go."""
-        return Plan(**_core.plan_prune(self, decision))
+        return KvPlan(**_core.plan_prune(self, decision))
 
 
 class Verifier:

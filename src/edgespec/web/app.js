@@ -270,7 +270,7 @@ function drawTree() {
     depth.set(n, d);
     return d;
   };
-  // Long accepted paths (flow rounds can accept a hundred tokens) are elided but for their
+  // Long accepted paths (flow steps can accept a hundred tokens) are elided but for their
   // last few rows, so the frontier (in flight, just decided) stays in view.
   let deepest = 0;
   for (const [n, x] of all) if (x.status === "accepted") deepest = Math.max(deepest, depthOf(n));
@@ -361,17 +361,17 @@ function drawCharts() {
   barChart("chart-tps", h.map((g) => g.tokens_per_s), idx, (v) => v.toFixed(1));
   barChart("chart-tpl", h.map((g) => g.tokens_per_lap), idx, (v) => v.toFixed(2));
   barChart("chart-ttft", h.map((g) => g.ttft_ms || 0), idx, (v) => Math.round(v) + "");
-  // Acceptance by depth over the session: the share of rounds that kept a drafted token at
-  // depth d (a round gaining k tokens accepted depths 1..k-1; the k-th is the bonus).
+  // Acceptance by depth over the session: the share of steps that kept a drafted token at
+  // depth d (a step gaining k tokens accepted depths 1..k-1; the k-th is the bonus).
   const hist = {};
   for (const g of state.history) for (const [k, c] of Object.entries(g.accepted_hist || {})) hist[k] = (hist[k] || 0) + c;
-  const rounds = Object.values(hist).reduce((a, b) => a + b, 0);
+  const steps = Object.values(hist).reduce((a, b) => a + b, 0);
   const depth = [];
   const maxK = Math.max(0, ...Object.keys(hist).map(Number));
   for (let d = 1; d < Math.min(maxK, 13); d++) {
     let n = 0;
     for (const [k, c] of Object.entries(hist)) if (Number(k) > d) n += c;
-    depth.push(rounds ? n / rounds : 0);
+    depth.push(steps ? n / steps : 0);
   }
   barChart("chart-depth", depth, depth.map((_, i) => String(i + 1)), (v) => (100 * v).toFixed(0) + "%");
 }

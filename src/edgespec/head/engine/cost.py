@@ -12,7 +12,7 @@ import numpy as np
 class CostModel:
     """Chooses the tree budget for the most tokens per second.
 
-    Expected tokens per round for a budget B follow from measured per-rank acceptance: a child
+    Expected tokens per step for a budget B follow from measured per-rank acceptance: a child
     ranked r among its siblings (by draft score) matches the target with probability a_r
     (counted online, with a prior). Under that model the best tree of B nodes holds the B most
     likely paths, so E[accepted](B) is the sum of the B largest path probabilities (the greedy
@@ -56,7 +56,7 @@ class CostModel:
             self.lap_a = float(ys.mean()) - self.lap_b * float(xs.mean())
 
     def expected_tokens(self, budget: int) -> float:
-        """E[tokens per round] = E[accepted draft tokens] + 1 bonus, for the best B-node tree."""
+        """E[tokens per step] = E[accepted draft tokens] + 1 bonus, for the best B-node tree."""
         a = self.acceptance()
         heap = [(-a[r], r, 1) for r in range(self.RANKS)]  # (-prob, rank, depth)
         heapq.heapify(heap)

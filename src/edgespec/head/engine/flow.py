@@ -13,17 +13,17 @@ from collections.abc import Iterator
 import numpy as np
 
 from edgespec.batch import Sampling
-from edgespec.head.engine.round import _Round
+from edgespec.head.engine.inflight import TreeInFlight
 from edgespec.tree import core
 from edgespec.tree.kvop import KvOp, KvOpCode
 
 
-class FlowRounds:
+class FlowMode:
     """Mode ``flow`` (FlowSpec): the tree goes out in small segments, back to back, so every stage"""
 
     def _flow_segment(self) -> int:
-        """Flow mode: rows per segment (0: a plain round). An explicit budget is spread over
-        the stages; otherwise FLOW_SEGMENT while tree rounds measurably beat plain laps
+        """Flow mode: rows per segment (0: a plain step). An explicit budget is spread over
+        the stages; otherwise FLOW_SEGMENT while tree steps measurably beat plain laps
         (``GainMeter``: a trial per generation, then probes that back off), else plain laps.
         How far ahead to draft follows the measured acceptance (_ahead_limit)."""
         if self.fixed_budget:
@@ -42,17 +42,17 @@ class FlowRounds:
         n = self.fixed_segments or max(1, self.chain.n_stages)
         return max(1, math.ceil(budget / n))
 
-    def _rounds_flow(self, root: int, sampling: Sampling) -> Iterator[list[int]]:
+    def _steps_flow(self, root: int, sampling: Sampling) -> Iterator[list[int]]:
         stale = self._stale  # lap -> results still to come from decided trees
         gain = self.gain
         while True:
             seg = self._flow_segment()
-            t_round = time.perf_counter()
+            t_step = time.perf_counter()
             if seg == 0:
                 self._drain_stale()  # a plain lap reads the next result: make it its own
                 t = time.perf_counter()
-                gain.charge_tree(t - t_round)  # the last tree's rows still in flight
-                gained = self._plain_round(root, sampling)
+                gain.charge_tree(t - t_step)  # the last tree's rows still in flight
+                gained = self._plain_step(root, sampling)
                 root = gained[-1]
                 yield gained
                 gain.record_plain(time.perf_counter() - t)
@@ -65,7 +65,7 @@ class FlowRounds:
             decision = None
             ready: dict[int, object] = {}  # segment -> result, fed in segment order
             next_seg = 0
-            streamed = 0  # accepted tokens of this round already handed out
+            streamed = 0  # accepted tokens of this step already handed out
             try:
                 while decision is None:
                     # Never wait idle: while no result is back, draft further below the
@@ -100,7 +100,7 @@ class FlowRounds:
                     if decision is None and not rnd.outstanding and next_seg not in ready:
                         raise RuntimeError("flow verification stalled: no segment in flight")
             except GeneratorExit:
-                # The caller has all it wants in the middle of a round: forget the round
+                # The caller has all it wants in the middle of a step: forget the step
                 # (nothing of it was committed) and drop its rows everywhere. (Unless the
                 # chain was replaced after a failure: then there is nothing to clean.)
                 if self.chain is not rnd_chain:
@@ -110,20 +110,20 @@ class FlowRounds:
                 self.chain.prune(range(rnd.sent_rows), (), lap=rnd.lap)
                 self._pending_ops.append(KvOp(KvOpCode.KEEP, 0))
                 raise
-            # (No observe_lap here: a flow round overlaps many segments, so its duration is
+            # (No observe_lap here: a flow step overlaps many segments, so its duration is
             # not the lap time the sync-mode model needs.)
             if rnd.outstanding:
                 # Everything still in flight belongs to a decided tree: drop it on the way.
                 stale[rnd.lap] += len(rnd.outstanding)
                 self.chain.prune(range(rnd.sent_rows), (), lap=rnd.lap)
-            gained = self._finish_round(rnd, decision)
+            gained = self._finish_tree(rnd, decision)
             root = gained[-1]
             yield gained[streamed:]
-            gain.record_tree(len(gained), time.perf_counter() - t_round)
+            gain.record_tree(len(gained), time.perf_counter() - t_step)
 
-    def _prune(self, rnd: _Round, d) -> None:
+    def _prune(self, rnd: TreeInFlight, d) -> None:
         """After a partial decision: drop rows off the accepted path from batches still in
-        flight, and move the round's frontier down the accepted path."""
+        flight, and move the step's frontier down the accepted path."""
         alive_before = rnd.tree.alive()[: rnd.tree.n_rows].copy()
         plan = rnd.tree.prune(d)
         dead = np.flatnonzero(alive_before & ~rnd.tree.alive()[: rnd.tree.n_rows])
@@ -156,8 +156,8 @@ class FlowRounds:
         a = float(min(max(self.cost.acceptance()[0], 1e-3), 0.999))
         return max(1, min(self.max_depth, int(math.log(self.AHEAD_MIN_P) / math.log(a))))
 
-    def _draft_ahead(self, rnd: _Round, sampling: Sampling, seg: int) -> bool:
-        """Draft up to ``seg`` more nodes below the round's accepted frontier and send them as
+    def _draft_ahead(self, rnd: TreeInFlight, sampling: Sampling, seg: int) -> bool:
+        """Draft up to ``seg`` more nodes below the step's accepted frontier and send them as
         one segment, unless enough unverified rows are in flight already or the caller wants
         no more tokens than those could give. False when nothing was sent."""
         if self.drafter is None:

@@ -12,20 +12,20 @@ import numpy as np
 from edgespec.batch import Batch, Sampling
 
 
-class NoneRounds:
+class NoneMode:
     """Mode ``none``: pipelined autoregressive decoding, one token per lap (the baseline), and the"""
 
-    def _rounds_none(self, root: int, sampling: Sampling) -> Iterator[list[int]]:
+    def _steps_none(self, root: int, sampling: Sampling) -> Iterator[list[int]]:
         while True:
-            gained = self._plain_round(root, sampling, tell_drafter=False)
+            gained = self._plain_step(root, sampling, tell_drafter=False)
             root = gained[-1]
             yield gained
 
     # ------------------------------------------------------------------ trees
 
-    PROBE_EVERY = 8  # plain rounds between two probing trees, so acceptance stays measured
+    PROBE_EVERY = 8  # plain steps between two probing trees, so acceptance stays measured
 
-    def _plain_round(self, root: int, sampling: Sampling, tell_drafter: bool = True
+    def _plain_step(self, root: int, sampling: Sampling, tell_drafter: bool = True
                      ) -> list[int]:
         """One token, no tree: mode ``none``, or a tree mode whose cost model found that
         drafting does not pay right now (then the drafter still learns the token)."""
@@ -40,8 +40,8 @@ class NoneRounds:
         self.cost.observe_lap(1, waited * 1e3)
         self.stats.plain_wait_s += waited
         self.stats.laps += 1
-        self.stats.rounds += 1
-        self.stats.plain_rounds += 1
+        self.stats.steps += 1
+        self.stats.plain_steps += 1
         self.stats.accepted_hist[1] += 1
         self._commit([root])
         token = int(res.targets[0])

@@ -9,16 +9,16 @@ Modes (``mode=``):
   at once; each segment's targets are verified as they return (step-wise), rows of rejected
   branches are pruned everywhere (also in flight), and whenever no result is waiting the head
   drafts further ahead below the accepted frontier and injects that too (dynamic expansion),
-  as far ahead as the measured acceptance makes worthwhile. A round ends where the target's
+  as far ahead as the measured acceptance makes worthwhile. A step ends where the target's
   token was not drafted; the next tree starts from it at once.
 - ``auto``: ``flow`` when the chain has several stages and a drafter exists, else ``sync``
   with a drafter, else ``none``.
 
 Unless the budget is fixed, ``flow`` decodes a tree only while trees measurably pay: each
-generation starts with a short trial, then tree rounds continue only while their tokens per
+generation starts with a short trial, then tree steps continue only while their tokens per
 second beat a plain lap's, else plain laps (exactly mode ``none``) with probes that back off
 (``GainMeter``). ``sync`` sizes its tree (0: a plain lap) from the cost model, with a probe every
-few plain rounds.
+few plain steps.
 
 KV discipline (docs/design.md 3): committed tokens live in llama.cpp sequence 0 on every
 stage. A tree's root is the last accepted token, not yet in KV; every tree row carries the
@@ -43,12 +43,12 @@ from edgespec.batch import Batch, Sampling
 from edgespec.drafters.base import Drafter, DraftTree
 from edgespec.head.chain import Chain
 from edgespec.head.engine.cost import CostModel
-from edgespec.head.engine.flow import FlowRounds
+from edgespec.head.engine.flow import FlowMode
 from edgespec.head.engine.gain import GainMeter
-from edgespec.head.engine.none import NoneRounds
-from edgespec.head.engine.round import _Round, sampling_config
+from edgespec.head.engine.inflight import TreeInFlight, sampling_config
+from edgespec.head.engine.none import NoneMode
 from edgespec.head.engine.stats import GenerationStats
-from edgespec.head.engine.sync import SyncRounds
+from edgespec.head.engine.sync import SyncMode
 from edgespec.tree import core
 from edgespec.tree.kvop import KvOp, KvOpCode
 
@@ -57,7 +57,7 @@ log = logging.getLogger("edgespec.head.engine")
 MODES = ("none", "sync", "flow", "auto")
 
 
-class SpecEngine(NoneRounds, SyncRounds, FlowRounds):
+class SpecEngine(NoneMode, SyncMode, FlowMode):
     """Drives generations over a ``Chain``; owns the committed history (KV sequence 0)."""
 
     def __init__(self, chain: Chain, *, drafter: Drafter | None = None, n_ctx: int = 4096,
@@ -83,7 +83,7 @@ class SpecEngine(NoneRounds, SyncRounds, FlowRounds):
         # empty cache (ordered ahead of that batch like any other KV operation).
         self._pending_ops: list[KvOp] = KvOp.clear()
         self._stale: Counter = Counter()  # lap -> results of decided trees still in flight
-        self._plain_rounds = 0
+        self._plain_steps = 0
         self._room = 0
         self._last_choice: tuple | None = None
         # Observers of tree events (the server's live view); empty: no event is even built.
@@ -118,10 +118,10 @@ class SpecEngine(NoneRounds, SyncRounds, FlowRounds):
     def run(self, prompt: Sequence[int], *, max_tokens: int, sampling: Sampling,
             mode: str = "auto", cancel: threading.Event | None = None,
             replay: int = 0) -> Iterator[list[int]]:
-        """Generate after ``prompt``; yields the tokens gained by each round, in order.
+        """Generate after ``prompt``; yields the tokens gained by each step, in order.
 
         Stops after an end-of-generation token (which is yielded), ``max_tokens`` tokens, or
-        at the next round once ``cancel`` is set. ``replay``: the last ``replay`` tokens before
+        at the next step once ``cancel`` is set. ``replay``: the last ``replay`` tokens before
         the prompt's last one are recomputed one per batch, as they were first decoded, so a
         generation resumed on a rebuilt ring sees the same numbers as the original.
         """
@@ -145,10 +145,10 @@ class SpecEngine(NoneRounds, SyncRounds, FlowRounds):
         produced = 0
         self._room = max_tokens  # tokens the caller still wants (flow stops expanding past it)
         failed = False
-        rounds = {"none": self._rounds_none, "sync": self._rounds_sync,
-                  "flow": self._rounds_flow}[mode](root, sampling)
+        steps = {"none": self._steps_none, "sync": self._steps_sync,
+                  "flow": self._steps_flow}[mode](root, sampling)
         try:
-            for chunk in rounds:
+            for chunk in steps:
                 chunk = chunk[: max_tokens - produced]
                 eog = next((i for i, t in enumerate(chunk) if self.is_eog(t)), None)
                 if eog is not None:
@@ -170,9 +170,9 @@ class SpecEngine(NoneRounds, SyncRounds, FlowRounds):
             self.stats.decode_s = time.perf_counter() - t1
             self.stats.lap_timing.log(log)  # the lap-timing view with -v (DEBUG)
             if not failed:
-                # Close the round generator now (not at garbage collection): a round cut
+                # Close the step generator now (not at garbage collection): a step cut
                 # short registers its batches in flight, which are drained right after.
-                rounds.close()
+                steps.close()
                 self._flush_ops()
 
     # ------------------------------------------------------------------ prefill
@@ -263,7 +263,7 @@ class SpecEngine(NoneRounds, SyncRounds, FlowRounds):
         parents = np.where(dt.parents < 0, under_node, -(dt.parents.astype(np.int64) + 1))
         tree.add_nodes(parents.astype(np.int32), dt.tokens, dt.logprobs.astype(np.float64))
 
-    def _new_tree(self, root: int, sampling: Sampling, budget: int) -> _Round:
+    def _new_tree(self, root: int, sampling: Sampling, budget: int) -> TreeInFlight:
         assert self.drafter is not None
         tree = core.TokenTree(root, len(self.history))
         td = time.perf_counter()
@@ -273,9 +273,9 @@ class SpecEngine(NoneRounds, SyncRounds, FlowRounds):
         self.cost.observe_draft(len(dt), spent * 1e3)
         self._draft_into(tree, 0, dt)
         tree.select(budget)
-        return _Round(self._new_lap(), tree, None, t0=time.perf_counter())
+        return TreeInFlight(self._new_lap(), tree, None, t0=time.perf_counter())
 
-    def _send_rows(self, rnd: _Round, sampling: Sampling, n_segments: int) -> None:
+    def _send_rows(self, rnd: TreeInFlight, sampling: Sampling, n_segments: int) -> None:
         """Place the tree's pending nodes as rows and send them as ``n_segments`` segments."""
         ordered = rnd.tree.order()
         start, stop = int(ordered.start), int(ordered.stop)
@@ -307,7 +307,7 @@ class SpecEngine(NoneRounds, SyncRounds, FlowRounds):
                     strict=True))})
         rnd.sent_rows = stop
 
-    def _finish_round(self, rnd: _Round, decision) -> list[int]:
+    def _finish_tree(self, rnd: TreeInFlight, decision) -> list[int]:
         """Commit the accepted path into sequence 0 (masked rollback) and return the tokens
         gained: accepted draft tokens, then the bonus token."""
         path = [int(r) for r in decision.path]
@@ -321,7 +321,7 @@ class SpecEngine(NoneRounds, SyncRounds, FlowRounds):
         if self.listeners:
             self._emit({"e": "decide", "lap": rnd.lap, "accepted": path,
                         "bonus": int(decision.bonus)})
-        self.stats.rounds += 1
+        self.stats.steps += 1
         self.stats.accepted_hist[len(gained)] += 1
         td = time.perf_counter()
         if self.drafter is not None:

@@ -17,8 +17,8 @@ class GenerationStats:
     prefill_tokens: int = 0  # prompt tokens actually computed (the rest came from KV reuse)
     tokens: int = 0
     laps: int = 0  # verification results consumed (segments in flow mode)
-    rounds: int = 0  # trees decided
-    accepted_hist: Counter = field(default_factory=Counter)  # tokens gained per round -> count
+    steps: int = 0  # verification steps decided: a tree, or a plain lap (one token)
+    accepted_hist: Counter = field(default_factory=Counter)  # tokens gained per step -> count
     draft_s: float = 0.0
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -27,8 +27,8 @@ class GenerationStats:
     budget: int = 0
     segment: int = 0
     recoveries: int = 0  # ring rebuilds after a node loss during this generation
-    plain_rounds: int = 0  # rounds decoded as a plain lap (no tree): all of them in mode none
-    probes: int = 0  # flow: trials of tree rounds after drafting had stopped paying
+    plain_steps: int = 0  # steps decoded as a plain lap (no tree): all of them in mode none
+    probes: int = 0  # flow: trials of tree steps after drafting had stopped paying
     # Plain laps: time from handing the batch to the chain to its result. What is left of
     # decode_s (in mode none) is the head's own work per token: engine, API, caller.
     plain_wait_s: float = 0.0
@@ -41,8 +41,8 @@ class GenerationStats:
         out = GenerationStats(**{**self.__dict__, "accepted_hist": Counter(self.accepted_hist)})
         out.accepted_hist.update(earlier.accepted_hist)
         out.prompt_tokens = earlier.prompt_tokens
-        for name in ("prefill_tokens", "laps", "rounds", "draft_s", "prefill_s", "decode_s",
-                     "rows_sent", "rows_pruned", "recoveries", "plain_rounds", "probes",
+        for name in ("prefill_tokens", "laps", "steps", "draft_s", "prefill_s", "decode_s",
+                     "rows_sent", "rows_pruned", "recoveries", "plain_steps", "probes",
                      "plain_wait_s"):
             setattr(out, name, getattr(out, name) + getattr(earlier, name))
         out.lap_timing = self.lap_timing.merged(earlier.lap_timing)
@@ -54,7 +54,7 @@ class GenerationStats:
 
     @property
     def mean_accepted(self) -> float:
-        """Mean tokens gained per round (accepted draft tokens + the bonus token)."""
+        """Mean tokens gained per step (accepted draft tokens + the bonus token)."""
         n = sum(self.accepted_hist.values())
         return sum(k * v for k, v in self.accepted_hist.items()) / n if n else 0.0
 
@@ -62,15 +62,15 @@ class GenerationStats:
         return {
             "mode": self.mode, "prompt_tokens": self.prompt_tokens,
             "prefill_tokens": self.prefill_tokens, "tokens": self.tokens, "laps": self.laps,
-            "rounds": self.rounds, "mean_accepted_per_round": round(self.mean_accepted, 3),
+            "steps": self.steps, "mean_accepted_per_step": round(self.mean_accepted, 3),
             "accepted_hist": dict(sorted(self.accepted_hist.items())),
             "draft_ms": round(self.draft_s * 1e3, 2), "prefill_ms": round(self.prefill_s * 1e3, 2),
             "decode_ms": round(self.decode_s * 1e3, 2),
             "tokens_per_s": round(self.tokens_per_s, 3), "rows_sent": self.rows_sent,
             "rows_pruned": self.rows_pruned, "budget": self.budget, "segment": self.segment,
-            "recoveries": self.recoveries, "plain_rounds": self.plain_rounds,
+            "recoveries": self.recoveries, "plain_steps": self.plain_steps,
             "probes": self.probes,
-            "plain_lap_ms": round(self.plain_wait_s * 1e3 / self.plain_rounds, 2)
-            if self.plain_rounds else None,
+            "plain_lap_ms": round(self.plain_wait_s * 1e3 / self.plain_steps, 2)
+            if self.plain_steps else None,
             "lap_timing": self.lap_timing.as_dict(),
         }

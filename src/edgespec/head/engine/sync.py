@@ -1,5 +1,5 @@
 """Mode ``sync``: one drafted tree per lap, verified as a whole on its return; the tree is
-sized (0: a plain lap) from the cost model, with a probe every few plain rounds.
+sized (0: a plain lap) from the cost model, with a probe every few plain steps.
 """
 
 from __future__ import annotations
@@ -11,16 +11,16 @@ from edgespec.batch import Sampling
 from edgespec.tree import core
 
 
-class SyncRounds:
+class SyncMode:
     """Mode ``sync``: one drafted tree per lap, verified as a whole on its return; the tree is"""
 
     def _budget(self) -> int:
-        """Sync mode: nodes in the next tree (0: a plain round), from the cost model."""
+        """Sync mode: nodes in the next tree (0: a plain step), from the cost model."""
         b = self.fixed_budget or self.cost.choose()
         if b == 0:
-            self._plain_rounds += 1
-            if self._plain_rounds >= self.PROBE_EVERY:
-                self._plain_rounds = 0
+            self._plain_steps += 1
+            if self._plain_steps >= self.PROBE_EVERY:
+                self._plain_steps = 0
                 b = min(self.cost.budgets)
         self.stats.budget = b
         self._log_choice("sync", budget=b)
@@ -32,11 +32,11 @@ class SyncRounds:
     #: of 2 x 50 ms on this CPU; bigger segments keep the ring waiting for the drafter.
     FLOW_SEGMENT = 2
 
-    def _rounds_sync(self, root: int, sampling: Sampling) -> Iterator[list[int]]:
+    def _steps_sync(self, root: int, sampling: Sampling) -> Iterator[list[int]]:
         while True:
             budget = self._budget()
             if budget == 0:
-                gained = self._plain_round(root, sampling)
+                gained = self._plain_step(root, sampling)
                 root = gained[-1]
                 yield gained
                 continue
@@ -49,6 +49,6 @@ class SyncRounds:
             decision = rnd.verifier.feed_targets(res.targets, 0, rows=res.nodes)
             if decision.status != core.ACCEPTED:
                 raise RuntimeError("whole-tree verification did not reach a decision")
-            gained = self._finish_round(rnd, decision)
+            gained = self._finish_tree(rnd, decision)
             root = gained[-1]
             yield gained

@@ -1,4 +1,4 @@
-"""One drafted tree while its segments are in flight (``_Round``), and the conversions between
+"""One drafted tree while its segments are in flight (``TreeInFlight``), and the conversions between
 the C++ core's types and the engine's (sampling settings, KV operations)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from edgespec.tree import core
 
 
 @dataclass
-class _Round:
+class TreeInFlight:
     """State of one tree (lap id) while its segments are in flight."""
 
     lap: int
@@ -22,7 +22,7 @@ class _Round:
     t0: float = 0.0
     expansions: int = 0
     seg_rows: dict[int, tuple[int, int]] = field(default_factory=dict)
-    streamed: int = 0  # accepted tokens already handed out before the round's decision
+    streamed: int = 0  # accepted tokens already handed out before the step's decision
     verified_rows: int = 0  # rows [0, verified_rows) were fed to the verifier
     frontier: int = 0  # deepest accepted node so far (flow: expansion goes below it)
     frontier_tokens: list[int] = field(default_factory=list)  # accepted tokens down to it
