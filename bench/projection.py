@@ -132,10 +132,10 @@ def project(curves: dict[str, Any], rows: Iterable[dict[str, Any]], *,
         if r["mode"] == "none":
             pred = 1000.0 / lap_ms(curves, 1, n_meas, r["hop_ms"], overhead, False)
         else:
-            per_round = r["rows_per_round"]
-            pred = 1000.0 * r["tokens_per_round"] / (
-                lap_ms(curves, per_round, n_meas, r["hop_ms"], overhead, False)
-                + r["draft_ms_per_round"])
+            per_step = r["rows_per_step"]
+            pred = 1000.0 * r["tokens_per_step"] / (
+                lap_ms(curves, per_step, n_meas, r["hop_ms"], overhead, False)
+                + r["draft_ms_per_step"])
         check.append({"mode": r["mode"], "drafter": r["drafter"], "budget": r["budget"],
                       "hop_ms": r["hop_ms"], "measured_tok_s": r["tokens_per_s"],
                       "model_tok_s": round(pred, 3),
@@ -148,9 +148,9 @@ def project(curves: dict[str, Any], rows: Iterable[dict[str, Any]], *,
         if r["mode"] == "sync":
             spec.setdefault((r["drafter"], str(r["budget"])), {"tpr": [], "draft": [], "rpr": []})
             d = spec[(r["drafter"], str(r["budget"]))]
-            d["tpr"].append(r["tokens_per_round"])
-            d["draft"].append(r["draft_ms_per_round"])
-            d["rpr"].append(r["rows_per_round"])
+            d["tpr"].append(r["tokens_per_step"])
+            d["draft"].append(r["draft_ms_per_step"])
+            d["rpr"].append(r["rows_per_step"])
     proj = []
     for n in n_values:
         for d in hops:
@@ -162,8 +162,8 @@ def project(curves: dict[str, Any], rows: Iterable[dict[str, Any]], *,
                 draft = statistics.median(v["draft"])
                 t = 1000.0 * tpr / (lap_ms(curves, 1, n, d, overhead, True) + draft)
                 proj.append({"n_devices": n, "hop_ms": d, "mode": "sync", "drafter": drafter,
-                             "budget": budget, "tokens_per_round": round(tpr, 3),
-                             "draft_ms_per_round": round(draft, 2),
+                             "budget": budget, "tokens_per_step": round(tpr, 3),
+                             "draft_ms_per_step": round(draft, 2),
                              "projected_tok_s": round(t, 3), "x_none": round(t / base, 3)})
     return {
         "label": "PROJECTION - modelled, not measured",

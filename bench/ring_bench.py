@@ -331,7 +331,7 @@ def run_ring(target: Path, draft: Path | None, drafter: str, stages: int, hop_ms
                            "load_avg_1m": round(os.getloadavg()[0], 2)}
                     record(rec)
                     log(f"  p{pi} {mode:<5} {rec['drafter']:<9} b={rec['budget']!s:<4} "
-                        f"{st['tokens_per_s']:7.2f} tok/s  acc/round "
+                        f"{st['tokens_per_s']:7.2f} tok/s  acc/step "
                         f"{st['mean_accepted_per_step']:.2f}  last budget {st['budget']}")
             eng.fixed_budget = None
     finally:
@@ -369,7 +369,7 @@ def aggregate(runs: list[dict[str, Any]], host: dict[str, Any]) -> list[dict[str
             row["load_avg_1m_mean"] = round(statistics.mean(loads), 2)
         if mode != "single":
             laps = sum(r["stats"]["laps"] for r in rs)
-            rounds = sum(r["stats"]["steps"] for r in rs)
+            steps = sum(r["stats"]["steps"] for r in rs)
             gained = sum(k * v for r in rs for k, v in
                          ((int(k), int(v)) for k, v in r["stats"]["accepted_hist"].items()))
             rows_sent = sum(r["stats"]["rows_sent"] - r["stats"]["prefill_tokens"] + 1
@@ -383,11 +383,11 @@ def aggregate(runs: list[dict[str, Any]], host: dict[str, Any]) -> list[dict[str
             stage_hops = [k for k in hop_bytes if k.startswith("s") and "->s" in k]
             row.update({
                 "laps_per_token": round(laps / toks, 3) if toks else None,
-                "rounds_per_token": round(rounds / toks, 3) if toks else None,
-                "tokens_per_round": round(gained / rounds, 3) if rounds else None,
-                "rows_per_round": round(rows_sent / rounds, 2) if rounds else None,
+                "steps_per_token": round(steps / toks, 3) if toks else None,
+                "tokens_per_step": round(gained / steps, 3) if steps else None,
+                "rows_per_step": round(rows_sent / steps, 2) if steps else None,
                 "rows_pruned": sum(r["stats"]["rows_pruned"] for r in rs),
-                "draft_ms_per_round": round(draft_ms / rounds, 2) if rounds else None,
+                "draft_ms_per_step": round(draft_ms / steps, 2) if steps else None,
                 "last_budgets": budgets,
                 "bytes_per_token": {k: round(v / toks) for k, v in hop_bytes.items()},
                 "bytes_per_token_per_stage_hop": (round(sum(hop_bytes[k] for k in stage_hops)
@@ -508,8 +508,8 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| mode | drafter | budget | hop ms | tok/s | ms/tok | laps/tok | tok/round | "
-             "rows/round | B/tok/hop | x none | x single | load |",
+    lines = ["| mode | drafter | budget | hop ms | tok/s | ms/tok | laps/tok | tok/step | "
+             "rows/step | B/tok/hop | x none | x single | load |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def f(v: Any, fmt: str = "{:.2f}") -> str:
@@ -520,7 +520,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['mode']} | {r['drafter']} | {r['budget']} | {hop} | {r['tokens_per_s']:.2f} "
             f"| {f(r['ms_per_token'], '{:.1f}')} | {f(r.get('laps_per_token'))} | "
-            f"{f(r.get('tokens_per_round'))} | {f(r.get('rows_per_round'), '{:.1f}')} | "
+            f"{f(r.get('tokens_per_step'))} | {f(r.get('rows_per_step'), '{:.1f}')} | "
             f"{f(r.get('bytes_per_token_per_stage_hop'), '{:,.0f}')} | "
             f"{f(r['x_none'])} | {f(r['x_single'])} | {f(r.get('load_avg_1m_mean'))} |")
     return "\n".join(lines)
@@ -541,9 +541,9 @@ def write_report(out: Path, prefix: str, rows: list[dict[str, Any]], ident: dict
           "Settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()), "",
           table(rows), "",
           "tok/s: generated tokens / decode time (prefill excluded), summed over prompts. "
-          "laps/tok: ring results consumed per token (flow: one per segment). tok/round: "
-          "tokens gained per verified tree (accepted + bonus). rows/round: tree rows sent per "
-          "round. B/tok/hop: bytes per generated token on a stage-to-stage link (measured at "
+          "laps/tok: ring results consumed per token (flow: one per segment). tok/step: "
+          "tokens gained per verified tree (accepted + bonus). rows/step: tree rows sent per "
+          "step. B/tok/hop: bytes per generated token on a stage-to-stage link (measured at "
           "the kernel). x none: vs none at the same hop; x single: vs single-process "
           "llama-cpp-python without speculation. load: the host's mean 1-minute load average at the "
           "end of each generation (2 logical CPUs here, shared with other users).", ""]
