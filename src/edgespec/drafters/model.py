@@ -37,7 +37,7 @@ from edgespec.drafters.tokenizer import (
     fingerprint_of,
 )
 from edgespec.llm import capi
-from edgespec.llm.llamacpp import Context, Model, load_model, new_context
+from edgespec.llm.llamacpp import Closing, Context, Model, load_model, new_context
 
 __all__ = ["DraftModelDrafter"]
 
@@ -69,7 +69,7 @@ class _Node:
         return node
 
 
-class DraftModelDrafter(Drafter):
+class DraftModelDrafter(Drafter, Closing):
     """Tree drafter driven by a small GGUF model sharing the target's tokenizer.
 
     Args:
@@ -164,17 +164,6 @@ class DraftModelDrafter(Drafter):
             self._model.close()
             self._model = None
 
-    def __enter__(self) -> DraftModelDrafter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown may have freed llama_cpp already
-            pass
 
     # -- Drafter ----------------------------------------------------------------------------
 

@@ -29,7 +29,7 @@ import ctypes  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
+from typing import Any, TypeVar  # noqa: E402
 
 import llama_cpp  # noqa: E402
 
@@ -178,7 +178,31 @@ def extra_bufts_default() -> bool:
     return not cpu_has_amx()
 
 
-class Model:
+_C = TypeVar("_C", bound="Closing")
+
+
+class Closing:
+    """``with`` support and a last-chance ``close()`` at garbage collection, for the objects
+    that hold llama.cpp memory (models, contexts, stage windows, the draft model). An explicit
+    ``close()`` is the contract; ``__del__`` only covers a caller that forgot."""
+
+    def close(self) -> None:  # pragma: no cover - every subclass defines it
+        raise NotImplementedError
+
+    def __enter__(self: _C) -> _C:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - at interpreter shutdown llama_cpp may be gone already
+            pass
+
+
+class Model(Closing):
     """A loaded llama.cpp model (``llama_model *``). Free with :meth:`close` or ``with``."""
 
     def __init__(self, ptr: Any, path: Path, n_gpu_layers: int, vocab_only: bool) -> None:
@@ -227,17 +251,6 @@ class Model:
             llama_cpp.llama_model_free(self._ptr)
             self._ptr = None
 
-    def __enter__(self) -> Model:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:  # last resort; explicit close() is the contract
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001
-            pass
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"n_layer={self.n_layer} n_embd={self.n_embd}"
@@ -284,7 +297,7 @@ def load_model(
 # Contexts
 
 
-class Context:
+class Context(Closing):
     """A llama.cpp context (``llama_context *``) on a :class:`Model`."""
 
     def __init__(self, model: Model, ptr: Any, params: Any, cb_eval_keepalive: Any) -> None:
@@ -325,17 +338,6 @@ class Context:
             except ValueError:
                 pass
 
-    def __enter__(self) -> Context:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001
-            pass
 
 
 def new_context(

@@ -149,7 +149,7 @@ class _Batch:
         return int(self.pos.shape[0])
 
 
-class StageRuntime:
+class StageRuntime(llamacpp.Closing):
     """One layer window on a llama.cpp context.
 
     Args:
@@ -679,17 +679,6 @@ class StageRuntime:
                 self._model.close()
                 self._model = None
 
-    def __enter__(self) -> StageRuntime:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001
-            pass
 
     def __repr__(self) -> str:
         a, b = self.layer_range
