@@ -180,6 +180,10 @@ def test_chat_streams_an_answer_and_the_ring_and_tree_views_follow(page, server)
                            f"{len(history)}")  # one bar per generation of the session
     gen = history[-1]
     assert gen["mode"] == "flow" and gen["tokens"] > 0 and gen["ttft_ms"] > 0
+    # The ring's arrows carry the last answer's per-link transfer times (lap timing).
+    page.wait_for_function("document.querySelectorAll('#ring text.link-ms').length === 2",
+                           timeout=30_000)
+    assert " ms" in page.locator("#ring text.link-ms").first.text_content()
 
 
 def test_stop_ends_an_answer_midway(page, server):

@@ -6,6 +6,8 @@ run refused as the caller's mistake."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from fastapi.testclient import TestClient
 from tinygguf import make_tiny_gguf
@@ -46,6 +48,16 @@ def test_page_files_and_ring_snapshot(base):
     gen = client.get("/v1/ring").json()["history"][-1]
     assert gen["mode"] == "sync" and gen["tokens"] == r.json()["usage"]["completion_tokens"]
     assert gen["ttft_ms"] > 0 and gen["tokens_per_lap"] > 0 and gen["kind"] == "completion"
+    # The ring's links and stages as the last answer timed them (what the page labels the
+    # ring's arrows with): one entry per stage, one per link of the lap, head to head.
+    assert snap["lap_timing"] is None  # no answer yet when the first snapshot was taken
+    deadline = time.monotonic() + 10  # snapshots are reused for a moment (live.SNAPSHOT_S)
+    while (lap := client.get("/v1/ring").json()["lap_timing"]) is None:
+        assert time.monotonic() < deadline, "no lap timing in /v1/ring after an answer"
+        time.sleep(0.2)
+    assert [s["stage"] for s in lap["stages"]] == [0, 1]
+    assert [(x["from"], x["to"]) for x in lap["links"]] == [("head", 0), (0, 1), (1, "head")]
+    assert all(x["transfer_ms"] >= 0 for x in lap["links"]) and lap["laps"] > 0
 
 
 def test_a_mode_the_ring_cannot_run_is_the_callers_400(base):

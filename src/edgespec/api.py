@@ -348,7 +348,8 @@ class Ring:
         the head's round trip to it and its compute counters (batches, busy seconds: rates
         come from two snapshots). ``status`` is "up", or "down" with a ``message`` and a
         ``hint`` on bringing it back. ``probe``: ask every node for its health now (one
-        control round trip each); else only what the head already knows.
+        control round trip each); else only what the head already knows. ``lap_timing``: the
+        last answer's per-stage wait/compute and per-link transfer times (``edgespec.laps``).
 
         Also the per-node rows ``edgespec ring status`` shows (``nodes``): the one typed view
         of the ring (``edgespec.head.view``) is what ``ring status --json``, ``/v1/ring`` and
@@ -359,6 +360,8 @@ class Ring:
                              can_recover=self.session.recover is not None)
         view.spec, view.drafter = self.default_spec, _drafter_name(self._drafter)
         view.recoveries = list(self.recovery_log)
+        last = self.last
+        view.lap_timing = last.stats.lap_timing.as_dict() if last is not None else None
         return view.to_dict()
 
     def add_listener(self, fn: Callable[[dict], None]) -> None:

@@ -81,12 +81,16 @@ class RingView:
     message: str | None = None
     hint: str | None = None
     recoveries: list[dict[str, Any]] = field(default_factory=list)
+    # The last answer's lap timing (``edgespec.laps``: per stage wait/compute, per link the
+    # transfer time node to node); None without a head or before its first answer.
+    lap_timing: dict[str, Any] | None = None
     time: float = field(default_factory=time.time)
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "n_ctx": self.n_ctx, "spec": self.spec,
                 "drafter": self.drafter, "status": self.status, "message": self.message,
                 "hint": self.hint, "recoveries": list(self.recoveries), "time": self.time,
+                "lap_timing": self.lap_timing,
                 "stages": [asdict(s) for s in self.stages],
                 "nodes": [n.to_dict() for n in self.nodes]}
 

@@ -168,6 +168,12 @@ function drawRing(snap) {
   marker.appendChild(svg("path", { d: "M 0 0 L 10 5 L 0 10 z", fill: "#6b6b70" }));
   defs.appendChild(marker);
   root.appendChild(defs);
+  // Per-link transfer time of the last answer (lap timing: node to node, encode to decode).
+  const links = (snap.lap_timing && snap.lap_timing.links) || [];
+  const linkMs = (from, to) => {
+    const l = links.find((x) => String(x.from) === String(from) && String(x.to) === String(to));
+    return l ? l.transfer_ms : null;
+  };
   items.forEach((it, i) => {
     const x = 5 + i * (w + gap), y = 5;
     const g = svg("g", { class: "node" + (it.head ? " head" : "") + (it.alive === false ? " lost" : ""), transform: `translate(${x},${y})` });
@@ -184,6 +190,10 @@ function drawRing(snap) {
     root.appendChild(g);
     if (i + 1 < items.length) {
       root.appendChild(svg("path", { class: "link", d: `M ${x + w} ${y + h / 2} L ${x + w + gap - 2} ${y + h / 2}` }));
+      const t = linkMs(it.head ? "head" : it.stage, items[i + 1].stage);
+      if (t != null) {
+        root.appendChild(svg("text", { class: "link-label link-ms", x: x + w + 1, y: y + h / 2 - 5 }, fmtMs(t)));
+      }
     }
     if (!it.head && it.rtt_ms != null) {
       root.appendChild(svg("text", { class: "link-label", x: x + 4, y: y + h + 14 }, `head ⇄ node ${fmtMs(it.rtt_ms)}`));
@@ -192,7 +202,9 @@ function drawRing(snap) {
   // The lap closes at the head: the last stage's targets return to it.
   const xEnd = 5 + (items.length - 1) * (w + gap) + w / 2;
   root.appendChild(svg("path", { class: "link", d: `M ${xEnd} ${h + 5} L ${xEnd} ${h + 45} L ${5 + w / 2} ${h + 45} L ${5 + w / 2} ${h + 7}` }));
-  root.appendChild(svg("text", { class: "link-label", x: w, y: h + 40 }, "target tokens back to the head"));
+  const back = stages.length ? linkMs(stages[stages.length - 1].stage, "head") : null;
+  root.appendChild(svg("text", { class: "link-label", x: w, y: h + 40 },
+    "target tokens back to the head" + (back != null ? ` (${fmtMs(back)})` : "")));
   box.appendChild(root);
   const rec = snap.recoveries || [];
   $("ring-note").textContent = `${stages.length} stage(s)` +
