@@ -118,7 +118,7 @@ class Profile(Request):
     value_fields: ClassVar[frozenset[str]] = frozenset({"batch_sizes"})
 
 
-Window = tuple[StrictInt, StrictInt, StrictInt, StrictBool]  # stage, first layer, stop, is_last
+LoadWindow = tuple[StrictInt, StrictInt, StrictInt, StrictBool]  # stage, first layer, stop, is_last
 
 
 class Load(HolderRequest):
@@ -127,7 +127,7 @@ class Load(HolderRequest):
     op: ClassVar[str] = "load"
     model_path: StrictStr
     fingerprint: StrictStr
-    windows: list[Window]
+    windows: list[LoadWindow]
     n_ctx: StrictInt = 4096
     n_seq_max: StrictInt = 256
     encoding: Activations = "f32"
