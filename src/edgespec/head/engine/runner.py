@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
-from edgespec.batch import Batch, Sampling
+from edgespec.batch import Batch, Sampling, SeqIds
 from edgespec.drafters.base import Drafter, DraftTree
 from edgespec.head.chain import Chain
 from edgespec.head.engine.cost import CostModel
@@ -292,7 +292,7 @@ class SpecEngine(NoneMode, SyncMode, FlowMode):
         bounds = rnd.tree.segment_bounds(count=count, start=start, stop=stop).tolist()
         for a, b in zip(bounds[:-1], bounds[1:], strict=True):
             lay = rnd.tree.layout(a, b)
-            seq_ids = [lay.seq_ids[i, : lay.n_seq[i]].tolist() for i in range(b - a)]
+            seq_ids = SeqIds(lay.seq_ids, lay.n_seq)  # the layout's own form (design.md 5.1)
             seg = rnd.next_segment
             rnd.next_segment += 1
             rnd.outstanding.add(seg)
