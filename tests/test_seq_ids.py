@@ -123,3 +123,9 @@ def test_runtime_takes_seq_ids_as_they_are_and_keeps_its_checks() -> None:
                 normalize_seq_ids(form, 2, 4)
     with pytest.raises(InputError, match="for 1 tokens, batch has 2"):
         normalize_seq_ids(SeqIds.from_lists([[0]]), 2, 4)
+
+
+def test_single_is_every_row_in_one_sequence() -> None:
+    assert SeqIds.single(3).tolist() == [[0], [0], [0]]
+    assert SeqIds.single(2, 5) == SeqIds.from_lists([[5], [5]])
+    assert seq_matrix(SeqIds.single(2, 2)).tolist() == old_seq_matrix([[2], [2]]).tolist()

@@ -70,6 +70,11 @@ class SeqIds:
         return self
 
     @classmethod
+    def single(cls, n: int, seq: int = 0) -> SeqIds:
+        """``n`` rows, each in sequence ``seq`` alone (prefill, plain decoding)."""
+        return cls._of(np.full((n, 1), seq, np.int32), np.ones(n, np.int32))
+
+    @classmethod
     def from_lists(cls, rows: Sequence[Sequence[int]]) -> SeqIds:
         """From per-row lists of ids (callers and tests that think in lists)."""
         rows = [r if isinstance(r, (list, tuple)) else list(r) for r in rows]

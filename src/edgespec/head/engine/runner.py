@@ -201,7 +201,7 @@ class SpecEngine(NoneMode, SyncMode, FlowMode):
             start += n
             # No row is wanted: prefill only fills KV. Chunks stream back to back through the
             # stages, so a long prompt is pipelined across the ring.
-            self._submit(Batch(np.array(part, np.int32), pos, [[0]] * n,
+            self._submit(Batch(np.array(part, np.int32), pos, SeqIds.single(n),
                                np.arange(n, dtype=np.int32), np.zeros(n, bool), lap=self._new_lap()))
         for _ in chunks:
             self.chain.next_result()
