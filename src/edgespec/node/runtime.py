@@ -140,7 +140,7 @@ def normalize_seq_ids(seq_ids: Any, n: int, n_seq_max: int) -> tuple[np.ndarray,
         vals = mat[used]
     # Python's min/max on a few ids: numpy's fixed cost is the hop's cost (design.md 5.1).
     listed = vals.tolist() if vals.size <= 64 else None
-    lo, hi = ((min(listed, default=0), max(listed, default=0)) if listed is not None
+    lo, hi = ((min(listed, default=0), max(listed, default=-1)) if listed is not None
               else (int(vals.min()), int(vals.max())))
     if lo < 0 or hi >= n_seq_max:
         bad = lo if lo < 0 else hi
