@@ -34,7 +34,7 @@ from edgespec.llm.shards import MANIFEST_NAME, Manifest, shard_model
 from edgespec.node.runtime import (
     FingerprintMismatchError,
     InputError,
-    SeqIds,
+    SeqIdsLike,
     StageError,
     StageRuntime,
     normalize_seq_ids,
@@ -57,7 +57,7 @@ class Window(Protocol):
     n_batch: int
     n_seq_max: int
 
-    def forward(self, inputs: Any, pos: Any, seq_ids: SeqIds = None,
+    def forward(self, inputs: Any, pos: Any, seq_ids: SeqIdsLike = None,
                 want_rows: Any = None) -> np.ndarray: ...
     def n_past(self, seq: int = 0) -> int: ...
     def kv_seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> None: ...
@@ -160,7 +160,7 @@ class LocalPipeline:
         self,
         tokens: Sequence[int] | np.ndarray,
         pos: int | Sequence[int] | np.ndarray,
-        seq_ids: SeqIds = None,
+        seq_ids: SeqIdsLike = None,
         want_rows: Sequence[int] | np.ndarray | None = None,
     ) -> np.ndarray:
         """Token ids in, logits rows out (``want_rows``; None = every row), through every window.
@@ -477,7 +477,7 @@ class RemoteWindow:
     def _call(self, method: str, *args: Any) -> Any:
         return self.process.call(method, self.layer_range[0], args)
 
-    def forward(self, inputs: Any, pos: Any, seq_ids: SeqIds = None, want_rows: Any = None) -> np.ndarray:
+    def forward(self, inputs: Any, pos: Any, seq_ids: SeqIdsLike = None, want_rows: Any = None) -> np.ndarray:
         return self._call("forward", np.asarray(inputs), pos, seq_ids, want_rows)
 
     def n_past(self, seq: int = 0) -> int:

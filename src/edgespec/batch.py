@@ -6,6 +6,7 @@ read these types, and none of them owns them (docs/design.md 7).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,13 +37,142 @@ class Sampling:
                    float(meta.get("top_p", 1.0)), int(meta.get("seed", 0)))
 
 
+class SeqIds:
+    """The llama.cpp sequences of each row, in the one form that travels from the engine to a
+    stage (docs/design.md 5.1): ``ids`` int32 [rows, k] (row i uses ``ids[i, :counts[i]]``;
+    what lies past a row's count is padding, -1 from the C++ core, and is never read) and
+    ``counts`` int32 [rows]. It is the C++ layout's form and llama_batch's, so neither end
+    converts; the wire's bool matrix is made and read here with numpy alone. Values are not
+    checked (the wire and the stage runtime refuse bad ids with their own errors); k is trimmed
+    to the widest row so a layout's padding never widens the batch. One id per row (plain
+    decoding, prefill) takes shorter paths: there a hop's fixed numpy cost is what counts.
+    """
+
+    __slots__ = ("ids", "counts")
+
+    def __init__(self, ids: np.ndarray, counts: np.ndarray) -> None:
+        ids = np.asarray(ids, dtype=np.int32)
+        counts = np.asarray(counts, dtype=np.int32)
+        if ids.ndim != 2 or counts.shape != (ids.shape[0],):
+            raise ValueError(f"seq ids must be [rows, k] with counts [rows], got {ids.shape} / "
+                             f"{counts.shape}")
+        k = max(int(counts.max()), 1) if counts.size else 1
+        if k > ids.shape[1]:
+            raise ValueError(f"seq id counts must be in 0..{ids.shape[1]}")
+        self.ids = ids[:, :k] if ids.shape[1] > k else ids
+        self.counts = counts
+
+    @classmethod
+    def _of(cls, ids: np.ndarray, counts: np.ndarray) -> SeqIds:
+        """Built here from arrays already right (int32, k = the widest row): no checks."""
+        self = object.__new__(cls)
+        self.ids, self.counts = ids, counts
+        return self
+
+    @classmethod
+    def single(cls, n: int, seq: int = 0) -> SeqIds:
+        """``n`` rows, each in sequence ``seq`` alone (prefill, plain decoding)."""
+        return cls._of(np.full((n, 1), seq, np.int32), np.ones(n, np.int32))
+
+    @classmethod
+    def from_lists(cls, rows: Sequence[Sequence[int]]) -> SeqIds:
+        """From per-row lists of ids (callers and tests that think in lists)."""
+        rows = [r if isinstance(r, (list, tuple)) else list(r) for r in rows]
+        counts = np.fromiter((len(r) for r in rows), dtype=np.int32, count=len(rows))
+        k = max(int(counts.max()), 1) if len(rows) else 1
+        ids = np.full((len(rows), k), -1, np.int32)
+        if counts.size and counts.sum():
+            flat = np.fromiter((int(x) for r in rows for x in r), dtype=np.int64)
+            ids[np.repeat(np.arange(len(rows)), counts), _within(counts)] = flat
+        return cls._of(ids, counts)
+
+    @classmethod
+    def from_bool_matrix(cls, matrix: np.ndarray) -> SeqIds:
+        """From the wire's bool [rows, sequences] matrix; each row's ids come out ascending."""
+        m = np.asarray(matrix, dtype=bool)
+        counts = m.sum(axis=1, dtype=np.int32)
+        k = (max(counts.tolist(), default=1) if len(counts) <= 64  # numpy's fixed cost, again
+             else int(counts.max()))
+        if k <= 1 and m.shape[1]:  # one id per row (or none): its column
+            return cls._of(m.argmax(axis=1).astype(np.int32).reshape(-1, 1), counts)
+        ids = np.full((m.shape[0], k), -1, np.int32)
+        r, c = np.nonzero(m)  # row-major: columns ascend within a row
+        ids[r, _within(counts)] = c
+        return cls._of(ids, counts)
+
+    def used(self) -> np.ndarray:
+        """Bool [rows, k]: which entries of ``ids`` are real."""
+        return np.arange(self.ids.shape[1])[None, :] < self.counts[:, None]
+
+    def _pairs(self) -> tuple[np.ndarray | None, np.ndarray]:
+        """(row, id) of every real entry, row by row; row None: one id in every row."""
+        if self.ids.shape[1] == 1:
+            if np.count_nonzero(self.counts) == len(self.counts):
+                return None, self.ids[:, 0]
+            rows = np.flatnonzero(self.counts)
+            return rows, self.ids[rows, 0]
+        used = self.used()
+        return np.nonzero(used)[0], self.ids[used]
+
+    def to_bool_matrix(self, width: int | None = None) -> np.ndarray:
+        """The wire's bool [rows, width] matrix (width: largest id + 1 unless given).
+        ValueError for an id outside 0..width-1."""
+        rows, vals = self._pairs()
+        if len(vals) <= 64:  # Python's min/max beat numpy's fixed cost on a few ids
+            listed = vals.tolist()
+            top, low = max(listed, default=-1), min(listed, default=0)
+        else:
+            top, low = (int(vals.max()), int(vals.min())) if vals.size else (-1, 0)
+        width = top + 1 if width is None else width
+        if top >= width:
+            raise ValueError(f"sequence id {top} does not fit n_seq={width}")
+        if low < 0:
+            raise ValueError("sequence ids must be >= 0")
+        if rows is None:
+            return vals[:, None] == np.arange(max(width, 1))
+        m = np.zeros((len(self.counts), max(width, 1)), dtype=bool)
+        m[rows, vals] = True
+        return m
+
+    def max_id(self) -> int:
+        """The largest id any row uses (-1 when none)."""
+        vals = self._pairs()[1]
+        return int(vals.max()) if vals.size else -1
+
+    def select(self, idx: np.ndarray) -> SeqIds:
+        """The rows ``idx`` (k shrinks to the widest of them)."""
+        return SeqIds(self.ids[idx], self.counts[idx])
+
+    def tolist(self) -> list[list[int]]:
+        return [self.ids[i, :c].tolist() for i, c in enumerate(self.counts.tolist())]
+
+    def __len__(self) -> int:
+        return len(self.counts)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, SeqIds):
+            return self.tolist() == other.tolist()
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"SeqIds({self.tolist()})"
+
+
+def _within(counts: np.ndarray) -> np.ndarray:
+    """Column of each entry when rows of ``counts`` entries are laid out one after another."""
+    starts = np.cumsum(counts) - counts
+    return np.arange(int(counts.sum())) - np.repeat(starts, counts)
+
+
 @dataclass
 class Batch:
     """One message into the ring: rows of tokens with positions and seq ids."""
 
     tokens: np.ndarray  # int32 [n]
     pos: np.ndarray  # int32 [n]
-    seq_ids: list[list[int]]  # per row: the llama.cpp sequences the row belongs to
+    seq_ids: SeqIds  # per row: the llama.cpp sequences it belongs to (lists are converted)
     nodes: np.ndarray  # int32 [n]: tree node per row (prefill rows: any unique ids)
     want: np.ndarray  # bool [n]: rows whose target token the head needs
     lap: int = 0
@@ -57,6 +187,8 @@ class Batch:
         self.pos = np.ascontiguousarray(self.pos, dtype=np.int32)
         self.nodes = np.ascontiguousarray(self.nodes, dtype=np.int32)
         self.want = np.ascontiguousarray(self.want, dtype=bool)
+        if not isinstance(self.seq_ids, SeqIds):
+            self.seq_ids = SeqIds.from_lists(self.seq_ids)
         n = len(self.tokens)
         if not (len(self.pos) == len(self.seq_ids) == len(self.nodes) == len(self.want) == n):
             raise ValueError("batch fields disagree on the number of rows")
@@ -67,7 +199,7 @@ class Batch:
     def select(self, keep: np.ndarray) -> Batch:
         """The same batch restricted to rows where ``keep`` is true (pruning in flight)."""
         idx = np.flatnonzero(keep)
-        return Batch(self.tokens[idx], self.pos[idx], [self.seq_ids[i] for i in idx],
+        return Batch(self.tokens[idx], self.pos[idx], self.seq_ids.select(idx),
                      self.nodes[idx], self.want[idx], self.lap, self.segment, self.pre_ops,
                      self.sampling, self.timing)
 

@@ -38,6 +38,7 @@ from typing import Any, Union
 
 import numpy as np
 
+from edgespec.batch import SeqIds
 from edgespec.llm import capi, llamacpp
 from edgespec.llm.architectures import ARCHITECTURES
 from edgespec.llm.gguf_read import CorruptShardError, ShardError, ShardInfo, file_sha256, read_info
@@ -50,7 +51,7 @@ __all__ = [
     "InputError",
     "KVCacheFullError",
     "PositionError",
-    "SeqIds",
+    "SeqIdsLike",
     "StageError",
     "StageRuntime",
     "normalize_seq_ids",
@@ -87,12 +88,21 @@ class FingerprintMismatchError(ShardError):
 #   Sequence[int]             one seq per token
 #   Sequence[Sequence[int]]   several seqs per token (trees)
 #   (matrix, counts)          int matrix [n, k] and the number of used columns per row
-SeqIds = Union[None, int, Sequence[int], Sequence[Sequence[int]], "tuple[np.ndarray, np.ndarray]"]
+#   SeqIds                    the form a Batch carries (edgespec.batch; docs/design.md 5.1)
+SeqIdsLike = Union[None, int, Sequence[int], Sequence[Sequence[int]],
+                   "tuple[np.ndarray, np.ndarray]", SeqIds]
 
 
 def normalize_seq_ids(seq_ids: Any, n: int, n_seq_max: int) -> tuple[np.ndarray, np.ndarray]:
-    """Any :data:`SeqIds` form -> (int32 matrix [n, k], int32 counts [n]); validated."""
-    if seq_ids is None:
+    """Any :data:`SeqIdsLike` form -> (int32 matrix [n, k], int32 counts [n]); validated.
+    A :class:`SeqIds` is already that matrix: only checked, never rebuilt (docs/design.md 5.1)."""
+    if isinstance(seq_ids, SeqIds):
+        mat, counts = seq_ids.ids, seq_ids.counts
+        if mat.shape[0] != n:
+            raise InputError(f"seq ids for {mat.shape[0]} tokens, batch has {n}")
+        if counts.size and counts.min() < 1:
+            raise InputError("every token needs at least one seq id")
+    elif seq_ids is None:
         mat, counts = np.zeros((n, 1), np.int32), np.ones(n, np.int32)
     elif isinstance(seq_ids, (int, np.integer)):
         mat, counts = np.full((n, 1), int(seq_ids), np.int32), np.ones(n, np.int32)
@@ -123,15 +133,25 @@ def normalize_seq_ids(seq_ids: Any, n: int, n_seq_max: int) -> tuple[np.ndarray,
                 counts[i] = len(r)
     if mat.shape[1] > n_seq_max:
         raise InputError(f"a token carries {mat.shape[1]} seq ids, n_seq_max is {n_seq_max}")
-    used = np.arange(mat.shape[1])[None, :] < counts[:, None]
-    vals = mat[used]
-    if vals.size and (vals.min() < 0 or vals.max() >= n_seq_max):
-        bad = int(vals.min()) if vals.min() < 0 else int(vals.max())
+    if mat.shape[1] == 1:  # counts are all 1 here: every row's one id
+        used, vals = None, mat[:, 0]
+    else:
+        used = np.arange(mat.shape[1])[None, :] < counts[:, None]
+        vals = mat[used]
+    # Python's min/max on a few ids: numpy's fixed cost is the hop's cost (design.md 5.1).
+    listed = vals.tolist() if vals.size <= 64 else None
+    lo, hi = ((min(listed, default=0), max(listed, default=-1)) if listed is not None
+              else (int(vals.min()), int(vals.max())))
+    if lo < 0 or hi >= n_seq_max:
+        bad = lo if lo < 0 else hi
         raise InputError(f"seq id {bad} outside 0..{n_seq_max - 1} (n_seq_max={n_seq_max})")
-    for i in np.nonzero(counts > 1)[0]:
-        row = mat[i, :counts[i]]
-        if len(set(row.tolist())) != len(row):
-            raise InputError(f"token {i} lists a seq id twice: {row.tolist()}")
+    if mat.shape[1] > 1:  # no id twice in a row: sort each row, unused slots made unique
+        k = mat.shape[1]
+        srt = np.sort(np.where(used, mat, -1 - np.arange(k)[None, :]), axis=1)
+        dup = np.flatnonzero((srt[:, 1:] == srt[:, :-1]).any(axis=1))
+        if dup.size:
+            i = int(dup[0])
+            raise InputError(f"token {i} lists a seq id twice: {mat[i, :counts[i]].tolist()}")
     return np.ascontiguousarray(mat), np.ascontiguousarray(counts)
 
 
@@ -351,7 +371,7 @@ class StageRuntime(llamacpp.Closing):
         self,
         inputs: Any,
         pos: int | Sequence[int] | np.ndarray,
-        seq_ids: SeqIds = None,
+        seq_ids: SeqIdsLike = None,
         want_rows: Sequence[int] | np.ndarray | None = None,
     ) -> np.ndarray:
         """Run a batch through the window.
@@ -360,7 +380,7 @@ class StageRuntime(llamacpp.Closing):
             inputs: first window: token ids ``[n]``; other windows: hidden states ``[n, n_embd]``
                 (float32 or float16), the rows the previous window returned.
             pos: the position of every row, or one int: rows at ``pos, pos+1, ...``.
-            seq_ids: per-row sequence ids (:data:`SeqIds`); per sequence, its rows must continue
+            seq_ids: per-row sequence ids (:data:`SeqIdsLike`); per sequence, its rows must continue
                 its KV history: positions ``n_past(s), n_past(s)+1, ...`` in batch order.
             want_rows: last window only: row indices whose logits to return (negative counts from
                 the end); None = every row.

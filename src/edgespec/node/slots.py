@@ -136,7 +136,7 @@ class StageLoop:
         n = len(batch)
         n_seq_max = int(getattr(rt, "n_seq_max", 0) or 0)
         if n_seq_max:
-            top = max((max(s) for s in batch.seq_ids if s), default=0)
+            top = batch.seq_ids.max_id()
             if top >= n_seq_max:
                 raise WireError(f"seq id {top} outside 0..{n_seq_max - 1} of stage {slot.stage}")
         if hidden is None:

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgespec.batch import Batch, Result, Sampling
+from edgespec.batch import Batch, Result, Sampling, SeqIds
 from edgespec.laps import now, stamps_from_meta
 from edgespec.wire.codec import HIDDEN_ENCODINGS, FieldTag, Message, kv_ops_list
 from edgespec.wire.header import Kind
-from edgespec.wire.messages import seq_lists, seq_matrix
+from edgespec.wire.messages import seq_matrix
 
 
 def _meta(batch: Batch) -> dict:
@@ -72,7 +72,7 @@ def message_batch(msg: Message) -> tuple[Batch, np.ndarray | None, int]:
         nodes = np.arange(n, dtype=np.int32)
     ops = kv_ops_list(msg.fields[FieldTag.KV_OPS]) if FieldTag.KV_OPS in msg.fields else []
     batch = Batch(np.asarray(tokens), np.asarray(msg[FieldTag.POSITIONS]),
-                  seq_lists(msg[FieldTag.SEQ_IDS]), np.asarray(nodes), want,
+                  SeqIds.from_bool_matrix(msg[FieldTag.SEQ_IDS]), np.asarray(nodes), want,
                   lap=msg.lap_id, segment=msg.segment_id, pre_ops=ops,
                   sampling=Sampling.from_meta(meta.get("sampling", {})))
     hidden = msg.fields.get(FieldTag.HIDDEN) if msg.kind == Kind.HIDDEN else None

@@ -6,32 +6,29 @@ RESULT and batch <-> message mapping are ``edgespec.wire.frames``'; CONTROL is
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from edgespec.batch import SeqIds
 from edgespec.wire.codec import HIDDEN_ENCODINGS, Encoding, FieldTag, Message, encode_payload
 from edgespec.wire.header import Kind, WireError
 
 
-def seq_matrix(seq_ids: list[list[int]] | list[tuple[int, ...]], n_seq: int | None = None) -> np.ndarray:
-    """Bool [n_tokens, n_seq] matrix from per-token lists of sequence ids."""
-    top = max((max(s) for s in seq_ids if len(s)), default=-1)
-    width = top + 1 if n_seq is None else n_seq
-    if top >= width:
-        raise WireError(f"sequence id {top} does not fit n_seq={width}")
-    m = np.zeros((len(seq_ids), max(width, 1)), dtype=bool)
-    for i, s in enumerate(seq_ids):
-        if any(j < 0 for j in s):
-            raise WireError("sequence ids must be >= 0")
-        m[i, list(s)] = True
-    return m
+def seq_matrix(seq_ids: SeqIds | Sequence[Sequence[int]], n_seq: int | None = None) -> np.ndarray:
+    """Bool [n_tokens, n_seq] SEQ_IDS matrix from a :class:`SeqIds` or per-token lists of ids
+    (n_seq: largest id + 1 unless given); docs/design.md 5.1."""
+    ids = seq_ids if isinstance(seq_ids, SeqIds) else SeqIds.from_lists(seq_ids)
+    try:
+        return ids.to_bool_matrix(n_seq)
+    except ValueError as e:
+        raise WireError(str(e)) from None
 
 
 def seq_lists(matrix: np.ndarray) -> list[list[int]]:
     """Per-token lists of sequence ids from a SEQ_IDS matrix."""
-    return [np.flatnonzero(row).tolist() for row in np.asarray(matrix, dtype=bool)]
+    return SeqIds.from_bool_matrix(matrix).tolist()
 
 
 def tokens_message(

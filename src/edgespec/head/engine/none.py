@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from edgespec.batch import Batch, Sampling
+from edgespec.batch import Batch, Sampling, SeqIds
 
 
 class NoneMode:
@@ -31,7 +31,7 @@ class NoneMode:
         drafting does not pay right now (then the drafter still learns the token)."""
         pos = len(self.history)
         t = time.perf_counter()
-        self._submit(Batch(np.array([root], np.int32), np.array([pos], np.int32), [[0]],
+        self._submit(Batch(np.array([root], np.int32), np.array([pos], np.int32), SeqIds.single(1),
                            np.zeros(1, np.int32), np.ones(1, bool), lap=self._new_lap(),
                            sampling=sampling))
         res = self.chain.next_result()

@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
-from edgespec.batch import Batch, Sampling
+from edgespec.batch import Batch, Sampling, SeqIds
 from edgespec.drafters.base import Drafter, DraftTree
 from edgespec.head.chain import Chain
 from edgespec.head.engine.cost import CostModel
@@ -201,7 +201,7 @@ class SpecEngine(NoneMode, SyncMode, FlowMode):
             start += n
             # No row is wanted: prefill only fills KV. Chunks stream back to back through the
             # stages, so a long prompt is pipelined across the ring.
-            self._submit(Batch(np.array(part, np.int32), pos, [[0]] * n,
+            self._submit(Batch(np.array(part, np.int32), pos, SeqIds.single(n),
                                np.arange(n, dtype=np.int32), np.zeros(n, bool), lap=self._new_lap()))
         for _ in chunks:
             self.chain.next_result()
@@ -292,7 +292,7 @@ class SpecEngine(NoneMode, SyncMode, FlowMode):
         bounds = rnd.tree.segment_bounds(count=count, start=start, stop=stop).tolist()
         for a, b in zip(bounds[:-1], bounds[1:], strict=True):
             lay = rnd.tree.layout(a, b)
-            seq_ids = [lay.seq_ids[i, : lay.n_seq[i]].tolist() for i in range(b - a)]
+            seq_ids = SeqIds(lay.seq_ids, lay.n_seq)  # the layout's own form (design.md 5.1)
             seg = rnd.next_segment
             rnd.next_segment += 1
             rnd.outstanding.add(seg)
