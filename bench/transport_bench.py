@@ -295,7 +295,7 @@ def main() -> int:
         "machine": machine(),
         "ring_hops": HOPS,
         "laps": args.laps,
-        "steps": args.rounds,
+        "rounds": args.rounds,  # alternating sealed/plaintext repetitions (not a ring round)
     }
     report["one_token_hop"] = {"message": "HIDDEN, 1 token, n_embd 896, f16", **side_by_side(one_token(896, "f16"), args.laps, args.rounds)}
     report["tree64_hop"] = {"message": "HIDDEN, 64-row tree (token ids, parents, 16 leaf sequences), n_embd 896, f16", **side_by_side(tree_frame(64, 896, "f16"), args.laps, args.rounds)}
