@@ -5,9 +5,12 @@
     .venv/bin/python -m bench.lap_bench --parts overhead --models qwen2.5-coder-0.5b
     .venv/bin/python -m bench.lap_bench --parts modes --target qwen2.5-coder-1.5b \
         --draft qwen2.5-coder-0.5b --stages 4 --hop-ms 10 --modes none,flow,auto
-    git show HEAD~1:src/edgespec/spec/engine.py > /tmp/engine_before.py
-    .venv/bin/python -m bench.lap_bench --parts modes --before /tmp/engine_before.py \
-        --modes none,none@before,flow,flow@before,auto,auto@before
+
+To compare with another commit, run this benchmark from a worktree of that commit (its own
+virtualenv, its own ``EDGESPEC_HOME`` for shards) alternately with this tree, as
+``bench/results/ring_bench_issue14_before_after.json`` records for the ring benchmark. (An
+earlier ``--before FILE`` loaded an old engine file into this tree; the engine is a package now,
+``head/engine/``, so a single file no longer is an engine.)
 
 Part ``overhead`` (mode none, plain loopback, no link emulator): per model, the unsplit model in
 one ``llama_cpp.Llama`` (``single``, one thread, greedy), then rings of 1, 2, 4 node processes
@@ -185,25 +188,8 @@ def summarize_overhead(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def _engine_from(path: str, like: Any) -> Any:
-    """A head engine built from another version of ``spec/engine.py`` (``--before``), with
-    the settings of ``like``: modes ``<mode>@before`` run on it, side by side with this tree's
-    engine over the same ring (node code is this tree's either way)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("edgespec.spec._engine_before", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod.SpecEngine(like.chain, drafter=like.drafter, n_ctx=like.n_ctx,
-                          is_eog=like.is_eog, budget=like.fixed_budget,
-                          max_depth=like.max_depth, segments=like.fixed_segments)
-
-
 def run_modes(target: str, draft: str | None, stages: int, hop_ms: float, modes: list[str],
-              n_tokens: int, n_prompts: int, log, before: str | None = None
-              ) -> list[dict[str, Any]]:
+              n_tokens: int, n_prompts: int, log) -> list[dict[str, Any]]:
     from edgespec import Ring
 
     links = Links(hop_ms) if hop_ms > 0 else None
@@ -213,15 +199,9 @@ def run_modes(target: str, draft: str | None, stages: int, hop_ms: float, modes:
         with Ring.local(str(_model_path(target)), stages=stages,
                         draft=str(_model_path(draft)) if draft else None, threads=1,
                         spec="none", **kwargs) as ring:
-            engines = {"": ring.engine}
-            if before:
-                engines["@before"] = _engine_from(before, ring.engine)
-
             def chat(msg: list[dict[str, str]], m: str, n: int) -> Any:
-                mode, _, tag = m.partition("@")
-                ring.engine = engines["@" + tag if tag else ""]
-                ring.engine.reset()  # each engine tracks what the stages hold: start clean
-                return ring.chat(msg, max_tokens=n, spec=mode)
+                ring.engine.reset()  # every mode starts from an empty cache, as the first did
+                return ring.chat(msg, max_tokens=n, spec=m)
 
             msgs = [[{"role": "user", "content": c}] for c in CHAT_PROMPTS[:n_prompts]]
             for m in modes:  # warm-up: page in weights, give the cost model laps
@@ -291,8 +271,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stages", type=int, default=2, help="modes part")
     ap.add_argument("--hop-ms", type=float, default=0.0, help="modes part")
     ap.add_argument("--modes", default="none,sync,flow,auto", help="modes part")
-    ap.add_argument("--before", default=None,
-                    help="modes part: an older spec/engine.py for modes named <mode>@before")
     ap.add_argument("--chat-tokens", type=int, default=96)
     ap.add_argument("--chat-prompts", type=int, default=5)
     ap.add_argument("--out", default="bench/results/lap_bench.json")
@@ -319,11 +297,9 @@ def main(argv: list[str] | None = None) -> int:
         print(_table(result["overhead"]))
     if "modes" in parts:
         runs = run_modes(args.target, args.draft, args.stages, args.hop_ms,
-                         args.modes.split(","), args.chat_tokens, args.chat_prompts, log,
-                         args.before)
+                         args.modes.split(","), args.chat_tokens, args.chat_prompts, log)
         result["modes_setup"] = {"target": args.target, "draft": args.draft,
-                                 "stages": args.stages, "hop_ms": args.hop_ms,
-                                 "before": args.before}
+                                 "stages": args.stages, "hop_ms": args.hop_ms}
         result["modes_runs"] = runs
         result["modes"] = summarize_modes(runs)
         print(_table(result["modes"]))
