@@ -31,9 +31,9 @@ from edgespec.laps import combine, lap_lines  # noqa: E402
 
 
 def run_setting(setting: str, model: str, stages: int, n_tokens: int) -> list[dict[str, Any]]:
-    from edgespec.llamacpp import Tokenizer, load_model
-
     from edgespec import Ring
+    from edgespec.llm.llamacpp import load_model
+    from edgespec.llm.tokenizer import Tokenizer
 
     key, _, value = setting.partition("=")
     saved = os.environ.get(key)

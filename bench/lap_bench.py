@@ -13,10 +13,11 @@ earlier ``--before FILE`` loaded an old engine file into this tree; the engine i
 ``head/engine/``, so a single file no longer is an engine.)
 
 Part ``overhead`` (mode none, plain loopback, no link emulator): per model, the unsplit model in
-one ``llama_cpp.Llama`` (``single``, one thread, greedy), then rings of 1, 2, 4 node processes
-(one llama.cpp thread each), then ``single`` again; ratios are to the mean of the two singles
-(bracketing load drift on a shared host). A 1-stage ring does the single process's compute, so
-what it loses is the per-lap tax: head, transport, node, stage runtime.
+one ``llama_cpp.Llama`` (``single``, one thread, greedy) and rings of 1, 2, 4 node processes (one
+llama.cpp thread each), all loaded at once and taking turns for ``--reps`` reps (the order
+rotates), so that a shared host's drift hits all alike; a ring's ``x_single`` is the median over
+reps of its rate over the single process's in the same rep. A 1-stage ring does the single
+process's compute, so what it loses is the per-lap tax: head, transport, node, stage runtime.
 
 Part ``modes``: one ring (default: the one a user gets with no draft model: 0.5B, 2 local
 stages, retrieval drafting), chat prompts (the model's chat template), every mode back to back
@@ -41,7 +42,7 @@ from typing import Any
 
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
-from bench.ring_bench import Links, machine_info, run_single  # noqa: E402
+from bench.ring_bench import Links, machine_info  # noqa: E402
 from edgespec.laps import combine, lap_lines  # noqa: E402
 
 CODE_PROMPTS = [
@@ -65,53 +66,108 @@ def _model_path(name: str) -> Path:
     return Path(models.resolve(name))
 
 
-def run_overhead(model: str, stages: list[int], n_tokens: int, log) -> list[dict[str, Any]]:
-    from edgespec import Ring
+class SingleModel:
+    """The unsplit model in one ``llama_cpp.Llama`` (one thread, greedy), kept open so that it
+    can take turns with the rings: the reference every ring is compared with."""
 
-    path = _model_path(model)
-    out: list[dict[str, Any]] = []
+    def __init__(self, path: Path, n_ctx: int = 2048) -> None:
+        import llama_cpp
+
+        import edgespec.llm.llamacpp  # noqa: F401  (passive OpenMP before llama_cpp loads)
+        from bench.ring_bench import _no_extra_bufts
+
+        with _no_extra_bufts():
+            self.llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, n_threads=1, n_threads_batch=1,
+                                       verbose=False)
+        self._is_eog = lambda t: llama_cpp.llama_vocab_is_eog(self.llm._model.vocab, t)  # noqa: SLF001
+
+    def generate(self, prompt: list[int], n_tokens: int) -> dict[str, Any]:
+        llm = self.llm
+        llm.reset()
+        # Prefill like the ring: the prompt minus its last token in one batch; generate() then
+        # reuses that prefix and decodes one token per call (the ring's shapes).
+        llm.eval(prompt[:-1])
+        t, cpu = time.perf_counter(), time.process_time()
+        toks: list[int] = []
+        for tok in llm.generate(prompt, temp=0.0, repeat_penalty=1.0):
+            if self._is_eog(tok):
+                break
+            toks.append(int(tok))
+            if len(toks) >= n_tokens:
+                break
+        return {"tokens": toks, "decode_s": time.perf_counter() - t,
+                "cpu_s": time.process_time() - cpu}
+
+    def close(self) -> None:
+        self.llm.close()
+
+
+def run_overhead(model: str, stages: list[int], n_tokens: int, reps: int,
+                 log) -> list[dict[str, Any]]:
+    """The unsplit model and one ring per size, all loaded at once and taking turns: each
+    rep runs every configuration on every prompt, in an order that rotates between reps, so
+    the host's drift (this is a shared 2-core machine) falls on all of them alike. A ring's
+    ratio is taken to the single process of the same rep."""
+    from edgespec import Ring
     from edgespec.llm.llamacpp import load_model
     from edgespec.llm.tokenizer import Tokenizer
 
+    path = _model_path(model)
     vocab = load_model(path, vocab_only=True)
     prompts = [Tokenizer(vocab).encode(p) for p in CODE_PROMPTS]
     vocab.close()
-
-    def single(tag: str) -> None:
-        runs = run_single(path, prompts, n_tokens, 1, None, 2048, log)
-        for i, r in enumerate(runs):
-            out.append({"model": model, "config": "single", "pass": tag, "prompt": i,
-                        "n_tokens": len(r["tokens"]), "decode_s": r["decode_s"],
-                        "cpu_s": r["cpu_s"], "tokens_per_s": len(r["tokens"]) / r["decode_s"],
-                        "load_avg_1m": r["load_avg_1m"]})
-
-    single("before")
-    for s in stages:
-        with Ring.local(str(path), stages=s, threads=1, spec="none", n_ctx=2048) as ring:
-            ring.generate(prompts[0][:16], max_tokens=8, spec="none")  # warm-up
-            for i, p in enumerate(prompts):
-                ring.reset()
-                # Fill the KV with the prompt first: the measured generation then computes
-                # decode laps only (its prefill is the prompt's last token), so the stages'
-                # compute per batch is a decode lap's.
-                ring.generate(p, max_tokens=1, spec="none")
-                before = stage_busy(ring)
-                cpu0 = ring_cpu_s(ring)
-                g = ring.generate(p, max_tokens=n_tokens, spec="none")
-                cpu1 = ring_cpu_s(ring)
-                after = stage_busy(ring)
-                st = g.stats.as_dict()
-                rec = {"model": model, "config": f"ring{s}", "prompt": i,
-                       "n_tokens": len(g.tokens), "decode_s": g.stats.decode_s,
-                       "cpu_s": cpu1 - cpu0,
-                       "tokens_per_s": st["tokens_per_s"], "stats": st,
-                       "breakdown": breakdown(g.stats, before, after),
-                       "load_avg_1m": round(os.getloadavg()[0], 2)}
-                out.append(rec)
-                log(f"  {model} ring{s} p{i}: {st['tokens_per_s']:.2f} tok/s  "
-                    f"{json.dumps(rec['breakdown'])}")
-    single("after")
+    out: list[dict[str, Any]] = []
+    with contextlib.ExitStack() as stack:
+        single = SingleModel(path)
+        stack.callback(single.close)
+        rings = {s: stack.enter_context(Ring.local(str(path), stages=s, threads=1, spec="none",
+                                                   n_ctx=2048)) for s in stages}
+        single.generate(prompts[0], 4)  # warm-up: page in the weights
+        for ring in rings.values():
+            ring.generate(prompts[0][:16], max_tokens=8, spec="none")
+        configs: list[str | int] = ["single", *stages]
+        for rep in range(reps):
+            k = rep % len(configs)
+            for cfg in configs[k:] + configs[:k]:
+                for i, p in enumerate(prompts):
+                    if cfg == "single":
+                        r = single.generate(p, n_tokens)
+                        out.append({"model": model, "config": "single", "rep": rep, "prompt": i,
+                                    "n_tokens": len(r["tokens"]), "decode_s": r["decode_s"],
+                                    "cpu_s": r["cpu_s"],
+                                    "tokens_per_s": len(r["tokens"]) / r["decode_s"],
+                                    "load_avg_1m": round(os.getloadavg()[0], 2)})
+                        continue
+                    out.append(_ring_run(rings[cfg], model, cfg, rep, i, p, n_tokens))
+            log(f"  {model} rep {rep}: " + ", ".join(
+                f"{c}: {_rate([r for r in out if r['rep'] == rep and r['config'] == n]):.2f}"
+                for c, n in ((c, c if c == 'single' else f'ring{c}') for c in configs))
+                + f" tok/s (load {os.getloadavg()[0]:.2f})")
     return out
+
+
+def _rate(rs: list[dict[str, Any]]) -> float:
+    return sum(r["n_tokens"] for r in rs) / sum(r["decode_s"] for r in rs)
+
+
+def _ring_run(ring: Any, model: str, stages: int, rep: int, i: int, prompt: list[int],
+              n_tokens: int) -> dict[str, Any]:
+    ring.reset()
+    # Fill the KV with the prompt first: the measured generation then computes decode laps
+    # only (its prefill is the prompt's last token), so the stages' compute per batch is a
+    # decode lap's.
+    ring.generate(prompt, max_tokens=1, spec="none")
+    before = stage_busy(ring)
+    cpu0 = ring_cpu_s(ring)
+    g = ring.generate(prompt, max_tokens=n_tokens, spec="none")
+    cpu1 = ring_cpu_s(ring)
+    after = stage_busy(ring)
+    st = g.stats.as_dict()
+    return {"model": model, "config": f"ring{stages}", "rep": rep, "prompt": i,
+            "n_tokens": len(g.tokens), "decode_s": g.stats.decode_s, "cpu_s": cpu1 - cpu0,
+            "tokens_per_s": st["tokens_per_s"], "stats": st,
+            "breakdown": breakdown(g.stats, before, after),
+            "load_avg_1m": round(os.getloadavg()[0], 2)}
 
 
 def ring_cpu_s(ring: Any) -> float:
@@ -155,23 +211,27 @@ def breakdown(stats: Any, before: dict[int, tuple[float, int]],
 
 
 def summarize_overhead(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per model and configuration: tokens/s over every run, and ``x_single``, the median over
+    reps of (this configuration's rate / the single process's rate in the same rep), with the
+    per-rep ratios beside it."""
     rows = []
     for model in dict.fromkeys(r["model"] for r in runs):
         mine = [r for r in runs if r["model"] == model]
-
-        def rate(rs: list[dict[str, Any]]) -> float:
-            return sum(r["n_tokens"] for r in rs) / sum(r["decode_s"] for r in rs)
-
         singles = [r for r in mine if r["config"] == "single"]
-        ref = statistics.mean(rate([r for r in singles if r["pass"] == p])
-                              for p in ("before", "after"))
+        reps = sorted({r["rep"] for r in mine})
+        ref = {rep: _rate([r for r in singles if r["rep"] == rep]) for rep in reps}
+        ref_all = _rate(singles)
         ref_cpu = sum(r["cpu_s"] for r in singles) * 1e3 / sum(r["n_tokens"] for r in singles)
         for cfg in dict.fromkeys(r["config"] for r in mine):
             rs = [r for r in mine if r["config"] == cfg]
-            tps = rate(rs)
+            tps = _rate(rs)
+            per_rep = [round(_rate([r for r in rs if r["rep"] == rep]) / ref[rep], 3)
+                       for rep in reps]
             row = {"model": model, "config": cfg, "tokens_per_s": round(tps, 2),
-                   "x_single": round(tps / ref, 3), "ms_per_token": round(1e3 / tps, 2),
-                   "extra_ms_per_token": round(1e3 / tps - 1e3 / ref, 2)}
+                   "x_single": round(statistics.median(per_rep), 3),
+                   "x_single_per_rep": per_rep,
+                   "ms_per_token": round(1e3 / tps, 2),
+                   "extra_ms_per_token": round(1e3 / tps - 1e3 / ref_all, 2)}
             # CPU per token, all processes: the tax as the host pays it, load or not.
             cpu = sum(r["cpu_s"] for r in rs) * 1e3 / sum(r["n_tokens"] for r in rs)
             row["cpu_ms_per_token"] = round(cpu, 2)
@@ -266,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="qwen2.5-coder-0.5b,qwen2.5-coder-1.5b")
     ap.add_argument("--ring-stages", default="1,2,4", help="overhead part: ring sizes")
     ap.add_argument("--tokens", type=int, default=64, help="overhead part: tokens per prompt")
+    ap.add_argument("--reps", type=int, default=4, help="overhead part: turns of every config")
     ap.add_argument("--target", default="qwen2.5-coder-0.5b", help="modes part")
     ap.add_argument("--draft", default=None, help="modes part (default: no draft model)")
     ap.add_argument("--stages", type=int, default=2, help="modes part")
@@ -291,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = []
         for model in args.models.split(","):
             runs += run_overhead(model, [int(s) for s in args.ring_stages.split(",")],
-                                 args.tokens, log)
+                                 args.tokens, args.reps, log)
         result["overhead_runs"] = runs
         result["overhead"] = summarize_overhead(runs)
         print(_table(result["overhead"]))

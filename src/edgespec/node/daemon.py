@@ -303,7 +303,7 @@ class Node(StageLoop):
 
     def _op_reset(self, conn: Connection, req: ctl.Reset, blob: Any) -> ctl.Done:
         for slot in self.slots.values():
-            slot.inbox.put(("kv", KvOp.clear(), 0))
+            slot.post(("kv", KvOp.clear(), 0))
         return ctl.Done()
 
     def _op_shard(self, conn: Connection, req: ctl.ShardStatus | ctl.ShardChunk | ctl.ShardFinish,
@@ -342,7 +342,7 @@ class Node(StageLoop):
         with self._lock:
             slots, self.slots = list(self.slots.values()), {}
         for slot in slots:
-            slot.inbox.put(None)
+            slot.post(None)
             if slot.thread is not None:
                 slot.thread.join(30)
             with contextlib.suppress(Exception):

@@ -155,6 +155,10 @@ def normalize_seq_ids(seq_ids: Any, n: int, n_seq_max: int) -> tuple[np.ndarray,
     return np.ascontiguousarray(mat), np.ascontiguousarray(counts)
 
 
+_ROW0 = np.zeros(1, np.intp)
+_ROW0.flags.writeable = False
+
+
 @dataclass(frozen=True)
 class _Batch:
     tokens: np.ndarray | None  # int32 [n]
@@ -450,12 +454,19 @@ class StageRuntime(llamacpp.Closing):
                 raise InputError(f"want_rows outside 0..{n - 1}")
         return _Batch(tokens, hidden, p, mat, counts, want)
 
-    def _check_continuity(self, p: np.ndarray, mat: np.ndarray, counts: np.ndarray) -> None:
+    def _seq_rows(self, mat: np.ndarray, counts: np.ndarray) -> dict[int, np.ndarray]:
+        """Per sequence id in the batch, its rows in batch order."""
+        if mat.shape == (1, 1):  # a decode lap: one row of one sequence, without numpy's
+            return {int(mat[0, 0]): _ROW0}  # fixed costs (paid cold, every hop: design.md 8.3)
         used = np.arange(mat.shape[1])[None, :] < counts[:, None]
-        seqs = np.unique(mat[used])
-        for s in seqs.tolist():
-            rows = np.nonzero(((mat == s) & used).any(axis=1))[0]
+        return {s: np.nonzero(((mat == s) & used).any(axis=1))[0]
+                for s in np.unique(mat[used]).tolist()}
+
+    def _check_continuity(self, p: np.ndarray, mat: np.ndarray, counts: np.ndarray) -> None:
+        for s, rows in self._seq_rows(mat, counts).items():
             start = int(capi.llama_memory_seq_pos_max(self._mem, s)) + 1
+            if rows.size == 1 and int(p[rows[0]]) == start:
+                continue
             expect = np.arange(start, start + rows.size, dtype=np.int32)
             got = p[rows]
             if not np.array_equal(got, expect):
@@ -468,6 +479,8 @@ class StageRuntime(llamacpp.Closing):
                     f"seq {s}: row {int(rows[first_bad])} has position {int(got[first_bad])}, expected "
                     f"{int(expect[first_bad])} (seq {s} holds positions up to {start - 1}; a sequence's "
                     f"rows must continue it without gaps, in batch order){hint}")
+        if mat.shape[1] == 1:
+            return
         # Tokens shared by several sequences need those sequences to hold the same history.
         multi = np.nonzero(counts > 1)[0]
         if multi.size:
@@ -486,9 +499,10 @@ class StageRuntime(llamacpp.Closing):
     def _run(self, batch: _Batch) -> np.ndarray:
         n = batch.n
         starts = self._seq_starts(batch)
-        want_sorted = np.unique(batch.want)
+        one = n == 1 and batch.want.size == 1  # a decode lap: skip numpy's fixed costs
+        want_sorted = batch.want if one else np.unique(batch.want)
         single = n <= self.n_batch
-        simple_want = single and np.array_equal(want_sorted, batch.want)
+        simple_want = single and (one or np.array_equal(want_sorted, batch.want))
         out: np.ndarray | None = None
         if not single:
             width = self.n_vocab if self.is_last else self.n_embd
@@ -518,9 +532,8 @@ class StageRuntime(llamacpp.Closing):
         return out
 
     def _seq_starts(self, batch: _Batch) -> dict[int, int]:
-        used = np.arange(batch.seq_mat.shape[1])[None, :] < batch.seq_counts[:, None]
         return {s: int(capi.llama_memory_seq_pos_max(self._mem, s)) + 1
-                for s in np.unique(batch.seq_mat[used]).tolist()}
+                for s in self._seq_rows(batch.seq_mat, batch.seq_counts)}
 
     def _rollback(self, starts: dict[int, int]) -> None:
         # Drop whatever this call added, so the KV cache is as before the failed call.

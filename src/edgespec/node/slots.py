@@ -47,6 +47,11 @@ log = logging.getLogger("edgespec.node")
 
 #: Seconds to dial the next node when linking (a node that does not answer fails the link).
 LINK_TIMEOUT_S = 10.0
+#: Batches up to this many rows may run on the thread that read them (a decode lap, a small
+#: tree). While it runs, that connection is not read; small batches keep what the node then
+#: sends on small too, so two nodes that feed each other (a ring of several rounds) never
+#: both wait on a full socket buffer.
+INLINE_MAX_ROWS = 16
 
 
 @dataclass
@@ -67,9 +72,34 @@ class StageSlot:
     thread: threading.Thread | None = None
     busy_s: float = 0.0
     batches: int = 0
+    # Items posted and not yet finished (queued or running), and the lock whoever runs an
+    # item holds: the stage's thread, or the reading thread for a batch it runs in place.
+    pending: int = 0
+    count_lock: threading.Lock = field(default_factory=threading.Lock)
+    run_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         self.worker = StageWorker([self.runtime], is_last=self.is_last)
+
+    def post(self, item: tuple | None) -> None:
+        """Queue work (a batch, KV operations) for the stage's thread; None stops it."""
+        if item is not None:
+            with self.count_lock:
+                self.pending += 1
+        self.inbox.put(item)
+
+    def claim_idle(self) -> bool:
+        """True if nothing is queued or running: the caller then runs its item itself, in
+        order (whatever is posted meanwhile runs after it), and calls ``finished()``."""
+        with self.count_lock:
+            if self.pending:
+                return False
+            self.pending = 1
+            return True
+
+    def finished(self) -> None:
+        with self.count_lock:
+            self.pending -= 1
 
 
 class _LinkLost(Exception):
@@ -113,6 +143,12 @@ class StageLoop:
             if hidden is not None and slot.stage == 0:
                 raise WireError("stage 0 takes token ids, not hidden states")
             self._check_batch(slot, batch, hidden)
+            # A batch for an idle stage runs here, on the thread that read it: handing it to
+            # the stage's thread costs a thread wake-up per hop (docs/design.md 8.3). Only when
+            # nothing else waits on this connection, so a PRUNE or control frame behind it is
+            # not held up by its compute.
+            inline = (len(batch) <= INLINE_MAX_ROWS and not conn.has_unread()
+                      and slot.claim_idle())
         except WireError as e:
             # Answered here rather than by the server's generic reply, so that the ERROR
             # carries the batch's lap id: the head (directly, or through the previous node's
@@ -124,7 +160,14 @@ class StageLoop:
             err = error_message("bad_payload", str(e), request_id=frame.header.request_id)
             err.lap_id = frame.header.lap_id
             return err
-        slot.inbox.put(("batch", batch, hidden))
+        if inline:
+            try:
+                with slot.run_lock:
+                    self._process(slot, ("batch", batch, hidden))
+            finally:
+                slot.finished()
+        else:
+            slot.post(("batch", batch, hidden))
         return None
 
     def _check_batch(self, slot: StageSlot, batch: Any, hidden: np.ndarray | None) -> None:
@@ -154,7 +197,7 @@ class StageLoop:
         msg = frame.decode()
         ops = kv_ops_list(msg[FieldTag.KV_OPS])
         slot = self._slot(int(msg.meta.get("stage", 0)))
-        slot.inbox.put(("kv", ops, msg.lap_id))
+        slot.post(("kv", ops, msg.lap_id))
         return None
 
     def _on_prune(self, conn: Connection, frame: Frame) -> None:
@@ -169,41 +212,49 @@ class StageLoop:
             item = slot.inbox.get()
             if item is None:
                 return
-            kind, a, b = item
             try:
-                if kind == "kv":
-                    slot.worker.apply_ops(a)
-                    self._send_on(slot, "kv", (a, b))
-                    continue
-                stamp = a.timing[-1] if a.timing else [slot.stage, 0.0, 0.0, 0.0, 0.0]
-                stamp[2], cpu = now(), time.thread_time()
-                t = time.perf_counter()
-                batch, out = slot.worker.run(a, b)
-                slot.busy_s += time.perf_counter() - t
-                stamp[3], stamp[4] = now(), time.thread_time() - cpu
-                slot.batches += 1
-                if slot.is_last:
-                    targets = out if out is not None else np.zeros(0, np.int32)
-                    msg = result_message(batch, targets)
-                    msg.fields[FieldTag.META] = {"timing": batch.timing}
-                    self._to_head(slot, msg)
-                elif out is None:
-                    # Every row was pruned on the way: the head still expects an answer.
-                    self._send_on(slot, "empty", batch)
-                else:
-                    self._send_on(slot, "batch", (batch, out))
-            except _LinkLost as e:  # the head treats it as a lost node (re-plans)
-                log.warning("%s", e)
-                msg = error_message("next_lost", str(e))
-                msg.lap_id = a.lap if kind == "batch" else int(b or 0)
+                with slot.run_lock:
+                    self._process(slot, item)
+            finally:
+                slot.finished()
+
+    def _process(self, slot: StageSlot, item: tuple) -> None:
+        """Run one item of a stage (a batch or KV operations) and pass the result on."""
+        kind, a, b = item
+        try:
+            if kind == "kv":
+                slot.worker.apply_ops(a)
+                self._send_on(slot, "kv", (a, b))
+                return
+            stamp = a.timing[-1] if a.timing else [slot.stage, 0.0, 0.0, 0.0, 0.0]
+            stamp[2], cpu = now(), time.thread_time()
+            t = time.perf_counter()
+            batch, out = slot.worker.run(a, b)
+            slot.busy_s += time.perf_counter() - t
+            stamp[3], stamp[4] = now(), time.thread_time() - cpu
+            slot.batches += 1
+            if slot.is_last:
+                targets = out if out is not None else np.zeros(0, np.int32)
+                msg = result_message(batch, targets)
+                msg.fields[FieldTag.META] = {"timing": batch.timing}
                 self._to_head(slot, msg)
-            except Exception as e:  # reported to the head; the stage keeps serving
-                log.exception("stage %d failed", slot.stage)
-                lap = a.lap if kind == "batch" else int(b or 0)
-                msg = error_message("stage_failed", f"stage {slot.stage} on {self.name}: "
-                                    f"{type(e).__name__}: {e}")
-                msg.lap_id = lap
-                self._to_head(slot, msg)
+            elif out is None:
+                # Every row was pruned on the way: the head still expects an answer.
+                self._send_on(slot, "empty", batch)
+            else:
+                self._send_on(slot, "batch", (batch, out))
+        except _LinkLost as e:  # the head treats it as a lost node (re-plans)
+            log.warning("%s", e)
+            msg = error_message("next_lost", str(e))
+            msg.lap_id = a.lap if kind == "batch" else int(b or 0)
+            self._to_head(slot, msg)
+        except Exception as e:  # reported to the head; the stage keeps serving
+            log.exception("stage %d failed", slot.stage)
+            lap = a.lap if kind == "batch" else int(b or 0)
+            msg = error_message("stage_failed", f"stage {slot.stage} on {self.name}: "
+                                f"{type(e).__name__}: {e}")
+            msg.lap_id = lap
+            self._to_head(slot, msg)
 
     def _read_next(self, out: Connection) -> None:
         """Read what the next node sends back on our link to it. Nothing is expected but an
@@ -257,13 +308,13 @@ class StageLoop:
             return
         if slot.next_local is not None:
             if kind == "kv":
-                slot.next_local.inbox.put(("kv", *payload))
+                slot.next_local.post(("kv", *payload))
             else:
                 batch, hidden = payload
                 # A copy, not a view: the hidden states live in this window's capture buffer,
                 # which its next decode overwrites while the next window may still be queued.
                 batch.timing.append([slot.next_local.stage, now(), 0.0, 0.0, 0.0])
-                slot.next_local.inbox.put(("batch", batch, np.array(hidden, copy=True)))
+                slot.next_local.post(("batch", batch, np.array(hidden, copy=True)))
             return
         conn = slot.next_conn
         if conn is None or conn.closed:

@@ -13,8 +13,9 @@ Blocking sockets with one thread per connection, not asyncio, on purpose:
 - A ring has few links (one inbound, one outbound per stage, plus control), so a thread each is
   cheap.
 
-Copies: a received frame lands once in a ``bytearray`` (``recv_into``) and is decrypted once
-into the payload buffer; numeric fields decode as numpy views of it. ``Connection.forward``
+Copies: one ``recv_into`` reads whatever has arrived into the connection's receive buffer (a
+small frame's header and body together: one system call per frame), and a sealed frame is
+decrypted from there once into its payload buffer; numeric fields decode as numpy views of it. ``Connection.forward``
 re-seals that buffer for the next ring member without decoding it (each link has its own
 session keys). Sends go out with ``sendmsg`` scatter/gather: header and ciphertext, or, with
 sealing off, header and the payload chunks as they are.
@@ -63,6 +64,8 @@ DEFAULT_MAX_PENDING_PER_SOURCE = 4
 #: Authenticated connections a server keeps at once.
 DEFAULT_MAX_CONNECTIONS = 64
 _MAX_NODE_ID = 256
+#: Bytes one receive call may take: a decode lap's frame (a few KiB) in one read.
+_RECV_BUFFER = 1 << 16
 
 
 class TransportError(ConnectionError):
@@ -178,6 +181,10 @@ class Connection:
         self.sealed = isinstance(send_seal, FrameSeal)
         self._send_lock = threading.Lock()
         self._hdr = bytearray(HEADER_SIZE)
+        # Receive buffer: [_rpos, _rend) holds bytes read but not yet taken by a frame.
+        self._rbuf = bytearray(_RECV_BUFFER)
+        self._rview = memoryview(self._rbuf)
+        self._rpos = self._rend = 0
         self._closed = False
         self._request_ids = itertools.count(1)
         self.local_node = local_node
@@ -264,12 +271,26 @@ class Connection:
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
+            self._fill(HEADER_SIZE, deadline)
+            start = self._rpos
             hv = memoryview(self._hdr)
-            _recv_exact_into(self._sock, hv, deadline)
+            hv[:] = self._rview[start:start + HEADER_SIZE]
             header = decode_header(hv, self.max_payload)
-            # Payload and tag in one read: one system call fewer for small frames.
-            body = bytearray(header.payload_len + self._recv_seal.overhead)
-            _recv_exact_into(self._sock, memoryview(body), deadline)
+            self._rpos = start = start + HEADER_SIZE
+            size = header.payload_len + self._recv_seal.overhead
+            have = self._rend - start
+            if size <= have and self.sealed:
+                # The common case: the whole frame came with the header's read. Decryption
+                # reads the ciphertext where it lies and writes the payload's own buffer.
+                body: bytearray | memoryview = self._rview[start:start + size]
+                self._rpos = start + size
+                return Frame(header, self._recv_seal.open(header, hv, body))
+            body = bytearray(size)
+            take = min(have, size)
+            body[:take] = self._rview[start:start + take]
+            self._rpos = start + take
+            if take < size:
+                _recv_exact_into(self._sock, memoryview(body)[take:], deadline)
         except TimeoutError:
             raise TimeoutError(f"no frame from {self.peer_node} within {timeout} s") from None
         except OSError as e:
@@ -277,6 +298,34 @@ class Connection:
                 raise
             raise TransportError(f"receive from {self.peer_node} failed: {e}") from e
         return Frame(header, self._recv_seal.open(header, hv, body))
+
+    def has_unread(self) -> bool:
+        """Whether more has arrived on this connection than was taken (buffered, or waiting
+        in the socket): a reader can tell it is not idle."""
+        if self._rend > self._rpos:
+            return True
+        p = select.poll()
+        p.register(self._sock, select.POLLIN)
+        return bool(p.poll(0))
+
+    def _fill(self, need: int, deadline: float | None) -> None:
+        """Have at least ``need`` unread bytes in the receive buffer. One ``recv_into`` takes
+        whatever has arrived (a small frame's header and body come in one read: a system call
+        fewer per hop, docs/design.md 8.3); bytes past this frame stay for the next one."""
+        if self._rend - self._rpos >= need:
+            return
+        if self._rpos:  # move the unread tail to the front
+            left = self._rend - self._rpos
+            self._rview[:left] = self._rview[self._rpos:self._rend]
+            self._rpos, self._rend = 0, left
+        while self._rend < need:
+            if deadline is not None:
+                _wait_readable(self._sock, deadline)
+            k = self._sock.recv_into(self._rview[self._rend:])
+            if k == 0:
+                raise TransportError("connection closed by peer" if self._rend == 0
+                                     else "connection closed mid-frame")
+            self._rend += k
 
     def recv(self, timeout: float | None = None) -> Message:
         """Read and decode one message."""
