@@ -2,7 +2,8 @@
 
 Over 450 lines: the per-kind schemas, the encoder and the decoder check one another through
 one shared validation and read best side by side (the KV-op helpers at the end are the KV_OPS
-field's array form of ``edgespec.tree.kvop.KvOp``).
+field's array form of ``edgespec.tree.kvop.KvOp``). Both run on every link of every lap, so
+they read tables built once from the schemas ("per-hop tables", issue #19).
 
 A payload (see ``edgespec.wire.header`` for the frame around it) is a sequence of *fields*.
 Each field is::
