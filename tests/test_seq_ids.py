@@ -10,7 +10,14 @@ import pytest
 from edgespec.batch import Batch, SeqIds
 from edgespec.node.runtime import InputError, normalize_seq_ids
 from edgespec.tree import core
-from edgespec.wire import WireError, decode_header, decode_payload, encode_frame, seq_matrix
+from edgespec.wire import (
+    WireError,
+    decode_header,
+    decode_payload,
+    encode_frame,
+    seq_matrix,
+    tokens_message,
+)
 from edgespec.wire.codec import FieldTag, Message
 from edgespec.wire.frames import batch_message, message_batch
 
@@ -129,3 +136,42 @@ def test_single_is_every_row_in_one_sequence() -> None:
     assert SeqIds.single(3).tolist() == [[0], [0], [0]]
     assert SeqIds.single(2, 5) == SeqIds.from_lists([[5], [5]])
     assert seq_matrix(SeqIds.single(2, 2)).tolist() == old_seq_matrix([[2], [2]]).tolist()
+
+
+def _received(matrix: np.ndarray) -> Batch:
+    """The batch a stage makes of a TOKENS frame carrying ``matrix`` as SEQ_IDS."""
+    n = len(matrix)
+    header, chunks = encode_frame(tokens_message(np.arange(n), np.arange(n), matrix))
+    return message_batch(decode_payload(header, b"".join(bytes(c) for c in chunks)))[0]
+
+
+@pytest.mark.parametrize("rows", [[[0]] * 3, [[2], [2]], [[0, 1], [1], [0, 9]], [[1, 3], [3]]])
+def test_a_forwarded_batch_sends_the_matrix_it_came_with(rows) -> None:
+    batch = _received(old_seq_matrix(rows))
+    m = batch.seq_ids.to_bool_matrix()
+    assert m is batch.seq_ids.to_bool_matrix() and not m.flags.writeable
+    assert m.tolist() == old_seq_matrix(rows).tolist()
+    assert batch.seq_ids.to_bool_matrix(m.shape[1]) is m
+    wider = batch.seq_ids.to_bool_matrix(m.shape[1] + 2)  # another width: made afresh
+    assert wider.shape[1] == m.shape[1] + 2 and wider[:, : m.shape[1]].tolist() == m.tolist()
+    # A pruned batch is new SeqIds: its matrix is made from its own rows.
+    kept = batch.select(np.array([True] + [False] * (len(rows) - 1))).seq_ids
+    assert kept._matrix is None and kept.to_bool_matrix().tolist() == old_seq_matrix(rows[:1]).tolist()
+
+
+def test_a_matrix_wider_than_its_ids_is_not_remembered() -> None:
+    """A peer may send trailing empty columns; the frame sent on is (largest id + 1) wide, as
+    before, so the bytes a stage sends never depend on how its input was padded."""
+    m = np.zeros((2, 5), bool)
+    m[0, 1] = m[1, 0] = m[1, 2] = True
+    batch = _received(m)
+    assert batch.seq_ids._matrix is None
+    assert batch.seq_ids.to_bool_matrix().shape == (2, 3)
+
+
+def test_remembering_a_writable_matrix_keeps_a_copy() -> None:
+    m = np.array([[True], [True]])
+    seq = SeqIds.from_bool_matrix(m, remember=True)
+    m[0, 0] = False  # the caller's array changes; the SeqIds does not
+    assert seq.to_bool_matrix().tolist() == [[True], [True]] and seq.tolist() == [[0], [0]]
+    assert SeqIds.from_bool_matrix(m)._matrix is None  # remembers only when asked

@@ -46,9 +46,13 @@ class SeqIds:
     checked (the wire and the stage runtime refuse bad ids with their own errors); k is trimmed
     to the widest row so a layout's padding never widens the batch. One id per row (plain
     decoding, prefill) takes shorter paths: there a hop's fixed numpy cost is what counts.
+
+    Treated as immutable: one made from a received frame's matrix remembers it, so a batch
+    forwarded unchanged goes on with the very matrix it came with (``to_bool_matrix``); a
+    changed one (``select``) is a new SeqIds that remembers nothing.
     """
 
-    __slots__ = ("ids", "counts")
+    __slots__ = ("ids", "counts", "_matrix")
 
     def __init__(self, ids: np.ndarray, counts: np.ndarray) -> None:
         ids = np.asarray(ids, dtype=np.int32)
@@ -61,12 +65,14 @@ class SeqIds:
             raise ValueError(f"seq id counts must be in 0..{ids.shape[1]}")
         self.ids = ids[:, :k] if ids.shape[1] > k else ids
         self.counts = counts
+        self._matrix = None
 
     @classmethod
-    def _of(cls, ids: np.ndarray, counts: np.ndarray) -> SeqIds:
-        """Built here from arrays already right (int32, k = the widest row): no checks."""
+    def _of(cls, ids: np.ndarray, counts: np.ndarray, matrix: np.ndarray | None = None) -> SeqIds:
+        """Built here from arrays already right (int32, k = the widest row): no checks.
+        ``matrix``: read-only, exactly what ``to_bool_matrix()`` would make of them."""
         self = object.__new__(cls)
-        self.ids, self.counts = ids, counts
+        self.ids, self.counts, self._matrix = ids, counts, matrix
         return self
 
     @classmethod
@@ -87,18 +93,29 @@ class SeqIds:
         return cls._of(ids, counts)
 
     @classmethod
-    def from_bool_matrix(cls, matrix: np.ndarray) -> SeqIds:
-        """From the wire's bool [rows, sequences] matrix; each row's ids come out ascending."""
+    def from_bool_matrix(cls, matrix: np.ndarray, remember: bool = False) -> SeqIds:
+        """From the wire's bool [rows, sequences] matrix; each row's ids come out ascending.
+
+        ``remember``: keep the matrix for ``to_bool_matrix`` (a received frame's, on its way to
+        the next stage: saves making and packing it again). Kept as is when read-only (the
+        codec decodes SEQ_IDS so), else as a read-only copy."""
         m = np.asarray(matrix, dtype=bool)
+        if m.ndim == 2 and m.shape[1] == 1:  # one sequence column: a row's flag is its count
+            counts = m[:, 0].astype(np.int32)
+            ids = np.zeros((m.shape[0], 1), np.int32)
+            return cls._of(ids, counts, _read_only(m) if remember else None)
         counts = m.sum(axis=1, dtype=np.int32)
         k = (max(counts.tolist(), default=1) if len(counts) <= 64  # numpy's fixed cost, again
              else int(counts.max()))
         if k <= 1 and m.shape[1]:  # one id per row (or none): its column
-            return cls._of(m.argmax(axis=1).astype(np.int32).reshape(-1, 1), counts)
-        ids = np.full((m.shape[0], k), -1, np.int32)
-        r, c = np.nonzero(m)  # row-major: columns ascend within a row
-        ids[r, _within(counts)] = c
-        return cls._of(ids, counts)
+            ids = m.argmax(axis=1).astype(np.int32).reshape(-1, 1)
+        else:
+            ids = np.full((m.shape[0], k), -1, np.int32)
+            r, c = np.nonzero(m)  # row-major: columns ascend within a row
+            ids[r, _within(counts)] = c
+        # to_bool_matrix() makes it (largest id + 1) wide: remember only a matrix that is.
+        canonical = remember and m.shape[1] > 1 and bool(m[:, -1].any())
+        return cls._of(ids, counts, _read_only(m) if canonical else None)
 
     def used(self) -> np.ndarray:
         """Bool [rows, k]: which entries of ``ids`` are real."""
@@ -116,7 +133,11 @@ class SeqIds:
 
     def to_bool_matrix(self, width: int | None = None) -> np.ndarray:
         """The wire's bool [rows, width] matrix (width: largest id + 1 unless given).
-        ValueError for an id outside 0..width-1."""
+        ValueError for an id outside 0..width-1. A remembered matrix (``from_bool_matrix``)
+        comes back as it is, read-only."""
+        m = self._matrix
+        if m is not None and (width is None or width == m.shape[1]):
+            return m
         rows, vals = self._pairs()
         if len(vals) <= 64:  # Python's min/max beat numpy's fixed cost on a few ids
             listed = vals.tolist()
@@ -158,6 +179,13 @@ class SeqIds:
 
     def __repr__(self) -> str:
         return f"SeqIds({self.tolist()})"
+
+
+def _read_only(m: np.ndarray) -> np.ndarray:
+    if m.flags.writeable:
+        m = m.copy()
+        m.flags.writeable = False
+    return m
 
 
 def _within(counts: np.ndarray) -> np.ndarray:

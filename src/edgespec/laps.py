@@ -168,10 +168,16 @@ def stamps_from_meta(value: Any) -> list[Stamp]:
         return []
     out: list[Stamp] = []
     for s in value:
+        # Runs on every hop: the JSON-decoded common case (plain int/float items) is tested by
+        # exact type in one C-level pass; anything else takes the general test.
         if (isinstance(s, list) and len(s) == 5
-                and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in s)):
+                and (all(map(_JSON_NUMBER.__contains__, map(type, s)))
+                     or all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in s))):
             out.append([int(s[0]), float(s[1]), float(s[2]), float(s[3]), float(s[4])])
     return out
+
+
+_JSON_NUMBER = frozenset({int, float})
 
 
 def combine(views: list[dict[str, Any] | None]) -> dict[str, Any] | None:

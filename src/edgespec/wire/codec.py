@@ -2,7 +2,8 @@
 
 Over 450 lines: the per-kind schemas, the encoder and the decoder check one another through
 one shared validation and read best side by side (the KV-op helpers at the end are the KV_OPS
-field's array form of ``edgespec.tree.kvop.KvOp``).
+field's array form of ``edgespec.tree.kvop.KvOp``). Both run on every link of every lap, so
+they read tables built once from the schemas ("per-hop tables", issue #19).
 
 A payload (see ``edgespec.wire.header`` for the frame around it) is a sequence of *fields*.
 Each field is::
@@ -32,7 +33,7 @@ import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -138,16 +139,76 @@ _PER_TOKEN = (_T.TOKENS, _T.POSITIONS, _T.SEQ_IDS, _T.PARENTS, _T.NODES, _T.HIDD
 _PER_TOKEN_KINDS = frozenset({Kind.TOKENS, Kind.HIDDEN})
 
 
-def _data_size(enc: Encoding, shape: tuple[int, ...]) -> int:
+_NON_NEGATIVE = (_T.TOKENS, _T.POSITIONS, _T.ACCEPTED, _T.NODES)
+
+# ----------------------------------------------------------------------------- per-hop tables
+# Every batch pays this codec on every link of every lap, and in the ring it runs right after
+# llama.cpp's compute has evicted the caches, at about 4x its hot cost (issue #19). So the
+# per-field work reads plain tables built once here from the rules above: no enum constructor
+# calls, no ``.name`` lookups (a descriptor call each), no struct formats built per call, and
+# values are checked with Python's min/max where numpy's fixed cost would dominate.
+
+
+class _Spec(NamedTuple):
+    tag: FieldTag
+    name: str
+    encodings: frozenset[int]  # allowed
+    encoding: Encoding  # the one an encoder uses (HIDDEN: the message's hidden_encoding)
+    ndim: int | None
+    cols: int | None
+
+
+_SPECS: dict[int, _Spec] = {  # keyed by FieldTag; a plain int finds its entry too
+    tag: _Spec(tag, tag.name, frozenset(rule.encodings), next(iter(rule.encodings)), rule.ndim,
+               rule.cols)
+    for tag, rule in _FIELD_RULES.items()
+}
+_ENCODINGS: dict[int, Encoding] = {int(e): e for e in Encoding}
+
+
+class _Schema(NamedTuple):
+    name: str
+    required: frozenset[FieldTag]
+    allowed: frozenset[FieldTag]  # required | optional
+    per_token: bool
+
+
+_KIND_SCHEMAS: dict[int, _Schema] = {
+    kind: _Schema(kind.name, req, req | opt, kind in _PER_TOKEN_KINDS)
+    for kind, (req, opt) in _SCHEMAS.items()
+}
+_DIMS = {n: struct.Struct(f"<{n}I") for n in range(1, _MAX_NDIM + 1)}
+_FIELD_HEADS = {n: struct.Struct(f"<BBBB{n}I") for n in range(1, _MAX_NDIM + 1)}
+_PADDING = {1: b"\0", 2: b"\0\0", 3: b"\0\0\0"}
+_I4, _F4, _F2 = np.dtype("<i4"), np.dtype("<f4"), np.dtype("<f2")
+_I32, _F32, _F16, _Q8, _BITS, _JSON, _BYTES = (Encoding.I32, Encoding.F32, Encoding.F16,
+                                                Encoding.Q8, Encoding.BITS, Encoding.JSON,
+                                                Encoding.BYTES)
+_HIDDEN, _SEQ_IDS, _KV_OPS, _PARENTS = _T.HIDDEN, _T.SEQ_IDS, _T.KV_OPS, _T.PARENTS
+# One encoder object: json.dumps with these arguments would build a new one per call. Same
+# bytes (the C encoder, float repr, compact separators).
+_json_encode = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
+# SEQ_IDS one column wide (one sequence, the common case): the bit-packed byte of a row is
+# 0x80 or 0; a bool byte maps onto it (and back) with bytes.translate, far below packbits'
+# and unpackbits' fixed cost.
+_BOOL_TO_BIT = bytes(0x80 if b else 0 for b in range(256))
+_BIT_TO_BOOL = bytes(b >> 7 for b in range(256))
+# Per row width 1..8 (one packed byte per row): the byte with the padding bits cleared, so a
+# row with no sequence is a zero byte whatever the (unchecked) padding bits hold.
+_ROW_BITS = {w: bytes(b & (0xFF << (8 - w)) & 0xFF for b in range(256)) for w in range(1, 9)}
+_FEW = 64  # up to this many values, Python's min/max beat numpy's reductions
+
+
+def _data_size(enc: int, shape: tuple[int, ...]) -> int:
     count = math.prod(shape)
-    if enc in (Encoding.I32, Encoding.F32):
+    if enc in (_I32, _F32):
         return 4 * count
-    if enc == Encoding.F16:
+    if enc == _F16:
         return 2 * count
-    if enc == Encoding.Q8:
+    if enc == _Q8:
         rows, blocks = q8_layout(shape)
         return rows * blocks * (2 + Q8_BLOCK)
-    if enc == Encoding.BITS:
+    if enc == _BITS:
         rows = math.prod(shape[:-1])
         return rows * -(-shape[-1] // 8)
     return count  # JSON, BYTES: dims = (nbytes,)
@@ -158,48 +219,69 @@ def _byte_view(arr: np.ndarray) -> memoryview | bytes:
     return memoryview(arr).cast("B") if arr.size else b""
 
 
-def _encode_data(tag: FieldTag, enc: Encoding, value: Any) -> tuple[tuple[int, ...], list[bytes | memoryview]]:
-    """(dims, data chunks) of one field value."""
-    if enc == Encoding.JSON:
-        if not isinstance(value, Mapping):
-            raise WireError(f"{tag.name}: JSON field must be a mapping, got {type(value).__name__}")
+def _low_high(a: np.ndarray) -> tuple[int, int]:
+    """(min, max) of a non-empty array."""
+    if a.size <= _FEW:
+        vals = a.ravel().tolist()
+        return min(vals), max(vals)
+    return int(a.min()), int(a.max())
+
+
+def _lowest(a: np.ndarray) -> int:
+    """min of a non-empty array."""
+    return min(a.ravel().tolist()) if a.size <= _FEW else int(a.min())
+
+
+def _encode_data(spec: _Spec, enc: int, value: Any) -> tuple[tuple[int, ...], list, int, Any]:
+    """(dims, data chunks, data size, checked) of one field value; ``checked`` is what
+    ``_validate`` reads: the int32 array (I32), the packed rows (BITS), else None."""
+    if enc == _JSON:
+        if type(value) is not dict and not isinstance(value, Mapping):
+            raise WireError(f"{spec.name}: JSON field must be a mapping, got {type(value).__name__}")
         try:
-            raw = json.dumps(value, separators=(",", ":"), allow_nan=False).encode()
+            raw = _json_encode(value).encode()
         except (TypeError, ValueError) as e:
-            raise WireError(f"{tag.name}: not JSON-serialisable: {e}") from None
-        return (len(raw),), [raw]
-    if enc == Encoding.BYTES:
+            raise WireError(f"{spec.name}: not JSON-serialisable: {e}") from None
+        return (len(raw),), [raw], len(raw), None
+    if enc == _BYTES:
         if not isinstance(value, (bytes, bytearray, memoryview)):
-            raise WireError(f"{tag.name}: expected bytes, got {type(value).__name__}")
+            raise WireError(f"{spec.name}: expected bytes, got {type(value).__name__}")
         mv = memoryview(value).cast("B")
-        return (mv.nbytes,), [mv]
-    arr = np.asarray(value)
-    if enc == Encoding.I32:
-        if arr.size and arr.dtype.kind not in "iub":
-            raise WireError(f"{tag.name}: integer array expected, got dtype {arr.dtype}")
-        if arr.size and (arr.min() < -(2**31) or arr.max() >= 2**31):
-            raise WireError(f"{tag.name}: value out of int32 range")
-        arr = np.ascontiguousarray(arr, dtype="<i4")
-        return arr.shape, [_byte_view(arr)]
-    if enc == Encoding.BITS:
+        return (mv.nbytes,), [mv], mv.nbytes, None
+    arr = value if type(value) is np.ndarray else np.asarray(value)
+    if enc == _I32:
+        if arr.dtype != _I4:  # an int32 array cannot be out of the int32 range
+            if arr.size and arr.dtype.kind not in "iub":
+                raise WireError(f"{spec.name}: integer array expected, got dtype {arr.dtype}")
+            if arr.size:
+                low, high = _low_high(arr)
+                if low < -(2**31) or high >= 2**31:
+                    raise WireError(f"{spec.name}: value out of int32 range")
+        arr = np.ascontiguousarray(arr, dtype=_I4)
+        return arr.shape, [_byte_view(arr)], arr.nbytes, arr
+    if enc == _BITS:
         if arr.ndim != 2 or arr.dtype != np.bool_:
-            raise WireError(f"{tag.name}: bool matrix expected, got {arr.dtype} with {arr.ndim} dims")
-        return arr.shape, [np.packbits(arr, axis=1).tobytes()]
+            raise WireError(f"{spec.name}: bool matrix expected, got {arr.dtype} with {arr.ndim} dims")
+        if arr.shape[1] == 1:
+            packed = arr.tobytes().translate(_BOOL_TO_BIT)
+        else:
+            packed = np.packbits(arr, axis=1).tobytes()
+        return arr.shape, [packed], len(packed), (packed, arr)
     if arr.dtype.kind != "f":
-        raise WireError(f"{tag.name}: float array expected, got dtype {arr.dtype}")
-    if enc == Encoding.F32:
-        arr = np.ascontiguousarray(arr, dtype="<f4")
-        return arr.shape, [_byte_view(arr)]
-    if enc == Encoding.F16:
+        raise WireError(f"{spec.name}: float array expected, got dtype {arr.dtype}")
+    if enc == _F32:
+        arr = np.ascontiguousarray(arr, dtype=_F4)
+        return arr.shape, [_byte_view(arr)], arr.nbytes, None
+    if enc == _F16:
         with np.errstate(over="ignore"):
-            half = np.ascontiguousarray(arr, dtype="<f2")
+            half = np.ascontiguousarray(arr, dtype=_F2)
         if not np.all(np.isfinite(half)):
-            raise WireError(f"{tag.name}: values are NaN/inf or exceed the float16 range; use f32")
-        return arr.shape, [_byte_view(half)]
-    if enc == Encoding.Q8:
+            raise WireError(f"{spec.name}: values are NaN/inf or exceed the float16 range; use f32")
+        return arr.shape, [_byte_view(half)], half.nbytes, None
+    if enc == _Q8:
         scales, q = quantize_q8(arr)
-        return arr.shape, [scales.astype("<f2").tobytes(), q.tobytes()]
-    raise WireError(f"{tag.name}: cannot encode with {enc!r}")
+        return arr.shape, [scales.astype("<f2").tobytes(), q.tobytes()], 2 * scales.size + q.size, None
+    raise WireError(f"{spec.name}: cannot encode with {enc!r}")
 
 
 # A JSON string (escapes included) or one bracket: what nesting depth is made of.
@@ -224,36 +306,48 @@ def check_json_depth(raw: bytes, limit: int, what: str = "JSON") -> None:
             depth -= 1
 
 
-def _decode_data(tag: FieldTag, enc: Encoding, shape: tuple[int, ...], data: memoryview) -> Any:
-    if enc == Encoding.JSON:
+def _decode_data(spec: _Spec, enc: Encoding, shape: tuple[int, ...], data: memoryview) -> tuple[Any, Any]:
+    """(value, checked) of one field, ``checked`` as in ``_encode_data``."""
+    if enc is _I32:
+        arr = np.frombuffer(data, _I4)
+        return (arr if len(shape) == 1 else arr.reshape(shape)), arr
+    if enc is _F32:
+        return np.frombuffer(data, _F4).reshape(shape), None
+    if enc is _JSON:
         raw = bytes(data)
-        check_json_depth(raw, MAX_JSON_DEPTH, tag.name)
+        check_json_depth(raw, MAX_JSON_DEPTH, spec.name)
         try:
             obj = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-            raise WireError(f"{tag.name}: invalid JSON: {type(e).__name__}: {e}") from None
+            raise WireError(f"{spec.name}: invalid JSON: {type(e).__name__}: {e}") from None
         if not isinstance(obj, dict):
-            raise WireError(f"{tag.name}: JSON body must be an object")
-        return obj
-    if enc == Encoding.BYTES:
-        return data
-    if enc == Encoding.I32:
-        return np.frombuffer(data, dtype="<i4").reshape(shape)
-    if enc == Encoding.F32:
-        return np.frombuffer(data, dtype="<f4").reshape(shape)
-    if enc == Encoding.F16:
-        return np.frombuffer(data, dtype="<f2").reshape(shape).astype(np.float32)
-    if enc == Encoding.Q8:
+            raise WireError(f"{spec.name}: JSON body must be an object")
+        return obj, None
+    if enc is _BITS:
+        # Read-only, so that a batch forwarded unchanged can send on this very matrix
+        # (``SeqIds.from_bool_matrix(remember=True)``).
+        rows, width = shape
+        packed = bytes(data)
+        if width == 1:
+            m = np.frombuffer(packed.translate(_BIT_TO_BOOL), np.bool_).reshape(rows, 1)
+        else:
+            bits = np.unpackbits(np.frombuffer(packed, np.uint8).reshape(rows, -(-width // 8)),
+                                 axis=1, count=width)
+            bits.flags.writeable = False
+            m = bits.view(np.bool_)
+        return m, (packed, m)
+    if enc is _BYTES:
+        return data, None
+    if enc is _F16:
+        return np.frombuffer(data, _F2).reshape(shape).astype(np.float32), None
+    if enc is _Q8:
         rows, blocks = q8_layout(shape)
         scales = np.frombuffer(data[: 2 * rows * blocks], dtype="<f2")
         values = np.frombuffer(data[2 * rows * blocks :], dtype=np.int8)
         if not np.all(np.isfinite(scales)):
-            raise WireError(f"{tag.name}: q8 scale is NaN/inf")
-        return dequantize_q8(scales, values, shape)
-    if enc == Encoding.BITS:
-        packed = np.frombuffer(data, dtype=np.uint8).reshape(shape[0], -(-shape[1] // 8))
-        return np.unpackbits(packed, axis=1, count=shape[1]).astype(bool)
-    raise WireError(f"{tag.name}: unknown encoding {enc}")
+            raise WireError(f"{spec.name}: q8 scale is NaN/inf")
+        return dequantize_q8(scales, values, shape), None
+    raise WireError(f"{spec.name}: unknown encoding {enc}")
 
 
 # ----------------------------------------------------------------------------- messages
@@ -264,7 +358,7 @@ class Message:
     """A decoded frame: kind, routing ids and typed fields.
 
     Field values: int32 arrays for TOKENS/POSITIONS/PARENTS/ACCEPTED/NODES, a bool matrix for
-    SEQ_IDS, float arrays for HIDDEN (sent with ``hidden_encoding``), an int32 [m, 5] array or a
+    SEQ_IDS (read-only when decoded), float arrays for HIDDEN (sent with ``hidden_encoding``), an int32 [m, 5] array or a
     list of ``KvOp`` for KV_OPS, a dict for META, bytes for BLOB.
     """
 
@@ -288,15 +382,59 @@ class Message:
             raise KeyError(f"{self.kind.name} message has no {tag.name} field") from None
 
 
-def _encoding_for(tag: FieldTag, msg: Message) -> Encoding:
-    if tag == FieldTag.HIDDEN:
-        return msg.hidden_encoding
-    return next(iter(_FIELD_RULES[tag].encodings))
-
-
 def _check_ids(name: str, v: int, bits: int = 32) -> None:
     if not 0 <= v < 2**bits:
         raise WireError(f"{name} {v} out of range for an unsigned {bits}-bit field")
+
+
+def _schema(kind: int) -> _Schema:
+    schema = _KIND_SCHEMAS.get(kind)
+    if schema is None:
+        raise WireError(f"unknown frame kind {kind!r}")
+    return schema
+
+
+def _encode(msg: Message) -> tuple[list[bytes | memoryview], int]:
+    """(payload chunks, payload length) of ``msg``, validated (``encode_payload``)."""
+    schema = _schema(msg.kind)
+    fields = msg.fields
+    chunks: list[bytes | memoryview] = []
+    plen = 0
+    shapes: dict[FieldTag, tuple[int, ...]] = {}
+    checked: dict[FieldTag, Any] = {}
+    for tag in sorted(fields):
+        spec = _SPECS.get(tag) if type(tag) is FieldTag else None
+        if spec is None:
+            raise WireError(f"field key must be a FieldTag, got {tag!r}")
+        value = fields[tag]
+        if tag is _KV_OPS:
+            value = kv_ops_array(value)  # validates codes and arguments
+        enc = spec.encoding
+        if tag is _HIDDEN:
+            enc = msg.hidden_encoding
+            if enc not in spec.encodings:
+                name = getattr(_ENCODINGS.get(enc), "name", enc)
+                raise WireError(f"{spec.name}: encoding {name} not allowed")
+        dims, data, size, checked[tag] = _encode_data(spec, enc, value)
+        ndim = len(dims)
+        if ndim > _MAX_NDIM:
+            raise WireError(f"{spec.name}: {ndim} dims (max {_MAX_NDIM})")
+        if spec.ndim is not None and ndim != spec.ndim:
+            raise WireError(f"{spec.name}: expected {spec.ndim} dims, got shape {tuple(dims)}")
+        try:
+            chunks.append(_FIELD_HEADS[ndim].pack(tag, enc, ndim, 0, *dims))
+        except struct.error:
+            for d in dims:
+                _check_ids(f"{spec.name} dimension", d)
+            raise
+        chunks.extend(data)
+        pad = -size % 4
+        if pad:
+            chunks.append(_PADDING[pad])
+        plen += 4 + 4 * ndim + size + pad
+        shapes[tag] = dims
+    _validate(schema, shapes, checked)
+    return chunks, plen
 
 
 def encode_payload(msg: Message) -> list[bytes | memoryview]:
@@ -305,149 +443,130 @@ def encode_payload(msg: Message) -> list[bytes | memoryview]:
     Validates the message against its kind's schema first, so a node never sends what its
     peer would refuse.
     """
-    fields = dict(msg.fields)
-    if FieldTag.KV_OPS in fields:
-        fields[FieldTag.KV_OPS] = kv_ops_array(fields[FieldTag.KV_OPS])
-    decoded_view = Message(msg.kind, fields, msg.request_id, msg.lap_id, msg.segment_id, msg.flags)
-    chunks: list[bytes | memoryview] = []
-    for tag in sorted(fields):
-        if not isinstance(tag, FieldTag):
-            raise WireError(f"field key must be a FieldTag, got {tag!r}")
-        enc = _encoding_for(tag, msg)
-        dims, data = _encode_data(tag, enc, fields[tag])
-        if len(dims) > _MAX_NDIM:
-            raise WireError(f"{tag.name}: {len(dims)} dims (max {_MAX_NDIM})")
-        for d in dims:
-            _check_ids(f"{tag.name} dimension", d)
-        size = sum(memoryview(c).nbytes for c in data)
-        assert size == _data_size(enc, tuple(dims)), (tag, enc, dims, size)
-        chunks.append(_FIELD_HEAD.pack(tag, enc, len(dims), 0) + struct.pack(f"<{len(dims)}I", *dims))
-        chunks.extend(data)
-        if size % 4:
-            chunks.append(b"\0" * (-size % 4))
-    _validate(decoded_view, {t: _encoding_for(t, msg) for t in fields}, {t: _shape_of(v) for t, v in fields.items()})
-    return chunks
-
-
-def _shape_of(value: Any) -> tuple[int, ...]:
-    if isinstance(value, (Mapping, bytes, bytearray, memoryview)):
-        return (0,)
-    return np.shape(value)
+    return _encode(msg)[0]
 
 
 def encode_frame(msg: Message, seq: int = 0) -> tuple[FrameHeader, list[bytes | memoryview]]:
     """Header and payload chunks of ``msg`` with sequence number ``seq``."""
-    for name, v in (("request id", msg.request_id), ("lap id", msg.lap_id), ("segment id", msg.segment_id)):
-        _check_ids(name, v)
+    rid, lap, seg = msg.request_id, msg.lap_id, msg.segment_id
+    if not (0 <= rid <= U32_MAX and 0 <= lap <= U32_MAX and 0 <= seg <= U32_MAX):
+        for name, v in (("request id", rid), ("lap id", lap), ("segment id", seg)):
+            _check_ids(name, v)
     _check_ids("sequence number", seq, 64)
     if msg.flags & ~KNOWN_FLAGS:
         raise WireError(f"unknown flag bits 0x{msg.flags & ~KNOWN_FLAGS:04x}")
-    chunks = encode_payload(msg)
-    plen = sum(memoryview(c).nbytes for c in chunks)
+    chunks, plen = _encode(msg)
     if plen > U32_MAX:
         raise WireError(f"payload of {plen} bytes does not fit a frame")
-    return FrameHeader(Kind(msg.kind), int(msg.flags), msg.request_id, msg.lap_id, msg.segment_id, seq, plen), chunks
+    kind = msg.kind if type(msg.kind) is Kind else Kind(msg.kind)
+    return FrameHeader(kind, int(msg.flags), rid, lap, seg, seq, plen), chunks
 
 
 def decode_payload(header: FrameHeader, payload: bytes | bytearray | memoryview) -> Message:
     """Parse and validate a payload for ``header``; numeric arrays are views where possible."""
     mv = memoryview(payload).cast("B")
-    if mv.nbytes != header.payload_len:
-        raise WireError(f"payload is {mv.nbytes} bytes, header says {header.payload_len}")
-    fields: dict[FieldTag, Any] = {}
-    encodings: dict[FieldTag, Encoding] = {}
-    shapes: dict[FieldTag, tuple[int, ...]] = {}
-    off = 0
     end = mv.nbytes
+    if end != header.payload_len:
+        raise WireError(f"payload is {end} bytes, header says {header.payload_len}")
+    fields: dict[FieldTag, Any] = {}
+    shapes: dict[FieldTag, tuple[int, ...]] = {}
+    checked: dict[FieldTag, Any] = {}
+    hidden_encoding = _F32
+    off = 0
     while off < end:
-        if end - off < _FIELD_HEAD.size:
+        if end - off < 4:
             raise WireError(f"truncated field header at byte {off}")
         tag_i, enc_i, ndim, reserved = _FIELD_HEAD.unpack_from(mv, off)
-        off += _FIELD_HEAD.size
-        try:
-            tag = FieldTag(tag_i)
-        except ValueError:
-            raise WireError(f"unknown field tag {tag_i} at byte {off - 4}") from None
-        try:
-            enc = Encoding(enc_i)
-        except ValueError:
-            raise WireError(f"{tag.name}: unknown encoding {enc_i}") from None
+        spec = _SPECS.get(tag_i)
+        if spec is None:
+            raise WireError(f"unknown field tag {tag_i} at byte {off}")
+        off += 4
+        name = spec.name
+        enc = _ENCODINGS.get(enc_i)
+        if enc is None:
+            raise WireError(f"{name}: unknown encoding {enc_i}")
         if reserved:
-            raise WireError(f"{tag.name}: reserved byte is not zero")
+            raise WireError(f"{name}: reserved byte is not zero")
+        tag = spec.tag
         if tag in fields:
-            raise WireError(f"{tag.name}: field appears twice")
+            raise WireError(f"{name}: field appears twice")
         if not 1 <= ndim <= _MAX_NDIM:
-            raise WireError(f"{tag.name}: {ndim} dims (1..{_MAX_NDIM} allowed)")
+            raise WireError(f"{name}: {ndim} dims (1..{_MAX_NDIM} allowed)")
         if end - off < 4 * ndim:
-            raise WireError(f"{tag.name}: truncated dims")
-        shape = struct.unpack_from(f"<{ndim}I", mv, off)
+            raise WireError(f"{name}: truncated dims")
+        shape = _DIMS[ndim].unpack_from(mv, off)
         off += 4 * ndim
-        rule = _FIELD_RULES[tag]
-        if enc not in rule.encodings:
-            raise WireError(f"{tag.name}: encoding {enc.name} not allowed")
-        if rule.ndim is not None and ndim != rule.ndim:
-            raise WireError(f"{tag.name}: expected {rule.ndim} dims, got {ndim}")
+        if enc_i not in spec.encodings:
+            raise WireError(f"{name}: encoding {enc.name} not allowed")
+        if spec.ndim is not None and ndim != spec.ndim:
+            raise WireError(f"{name}: expected {spec.ndim} dims, got {ndim}")
         size = _data_size(enc, shape)
         padded = size + (-size % 4)
         if padded > end - off:
-            raise WireError(f"{tag.name}: {size} data bytes for shape {shape} exceed the payload")
-        if any(mv[off + size : off + padded]):
-            raise WireError(f"{tag.name}: padding is not zero")
-        fields[tag] = _decode_data(tag, enc, shape, mv[off : off + size])
-        encodings[tag] = enc
+            raise WireError(f"{name}: {size} data bytes for shape {shape} exceed the payload")
+        if padded != size and any(mv[off + size : off + padded]):
+            raise WireError(f"{name}: padding is not zero")
+        fields[tag], checked[tag] = _decode_data(spec, enc, shape, mv[off : off + size])
         shapes[tag] = shape
+        if tag is _HIDDEN:
+            hidden_encoding = enc
         off += padded
-    msg = Message(header.kind, fields, header.request_id, header.lap_id, header.segment_id, header.flags)
-    if FieldTag.HIDDEN in encodings:
-        msg.hidden_encoding = encodings[FieldTag.HIDDEN]
-    _validate(msg, encodings, shapes)
-    return msg
+    _validate(_schema(header.kind), shapes, checked)
+    if _KV_OPS in fields:
+        kv_ops_list(fields[_KV_OPS])  # validates codes and arguments
+    return Message(header.kind, fields, header.request_id, header.lap_id, header.segment_id,
+                   header.flags, hidden_encoding)
 
 
-def _validate(msg: Message, encodings: Mapping[FieldTag, Encoding], shapes: Mapping[FieldTag, tuple[int, ...]]) -> None:
-    """Schema and consistency checks shared by encoder and decoder."""
-    required, optional = _SCHEMAS[Kind(msg.kind)]
-    present = set(msg.fields)
-    missing = required - present
-    if missing:
-        raise WireError(f"{Kind(msg.kind).name} frame lacks {sorted(t.name for t in missing)}")
-    extra = present - required - optional
-    if extra:
-        raise WireError(f"{Kind(msg.kind).name} frame may not carry {sorted(t.name for t in extra)}")
-    for tag, enc in encodings.items():
-        rule = _FIELD_RULES[tag]
-        if enc not in rule.encodings:
-            raise WireError(f"{tag.name}: encoding {enc.name} not allowed")
-        shape = shapes[tag]
-        if enc not in (Encoding.JSON, Encoding.BYTES):
-            if rule.ndim is not None and len(shape) != rule.ndim:
-                raise WireError(f"{tag.name}: expected {rule.ndim} dims, got shape {tuple(shape)}")
-            if rule.cols is not None and shape[-1] != rule.cols:
-                raise WireError(f"{tag.name}: expected {rule.cols} columns, got {shape[-1]}")
-    if Kind(msg.kind) in _PER_TOKEN_KINDS:
-        counts = {t.name: shapes[t][0] for t in _PER_TOKEN if t in shapes}
-        if len(set(counts.values())) > 1:
-            raise WireError(f"token counts disagree between fields: {counts}")
-        n = next(iter(counts.values()))
+def _rows_have_a_sequence(packed: bytes, matrix: np.ndarray) -> bool:
+    """Whether every row of a SEQ_IDS field names a sequence (``packed``: its wire bytes)."""
+    width = matrix.shape[1]
+    if 1 <= width <= 8:  # one byte per row: no zero byte once the padding bits are cleared
+        return b"\0" not in packed.translate(_ROW_BITS[width])
+    return bool(np.all(matrix.any(axis=1)))
+
+
+def _validate(schema: _Schema, shapes: Mapping[FieldTag, tuple[int, ...]],
+              checked: Mapping[FieldTag, Any]) -> None:
+    """Schema and consistency checks shared by encoder and decoder, after the fields' own
+    (``shapes``: each field's dims; ``checked``: what ``_encode_data``/``_decode_data`` gave)."""
+    present = shapes.keys()
+    if not (present >= schema.required and present <= schema.allowed):
+        missing = schema.required - present
+        if missing:
+            raise WireError(f"{schema.name} frame lacks {sorted(t.name for t in missing)}")
+        extra = present - schema.allowed
+        raise WireError(f"{schema.name} frame may not carry {sorted(t.name for t in extra)}")
+    kv = shapes.get(_KV_OPS)
+    if kv is not None and kv[-1] != 5:
+        raise WireError(f"KV_OPS: expected 5 columns, got {kv[-1]}")
+    if schema.per_token:
+        n = -1
+        for t in _PER_TOKEN:
+            s = shapes.get(t)
+            if s is not None:
+                if n < 0:
+                    n = s[0]
+                elif s[0] != n:
+                    counts = {t.name: shapes[t][0] for t in _PER_TOKEN if t in shapes}
+                    raise WireError(f"token counts disagree between fields: {counts}")
         if n == 0:
             raise WireError("a batch needs at least one token")
-        if FieldTag.SEQ_IDS in msg.fields:
-            sm = msg.fields[FieldTag.SEQ_IDS]
-            if not np.all(np.asarray(sm).any(axis=1)):
-                raise WireError("SEQ_IDS: every token needs at least one sequence")
-        if FieldTag.HIDDEN in shapes and shapes[FieldTag.HIDDEN][1] == 0:
+        seq = checked.get(_SEQ_IDS)
+        if seq is not None and not _rows_have_a_sequence(*seq):
+            raise WireError("SEQ_IDS: every token needs at least one sequence")
+        hidden = shapes.get(_HIDDEN)
+        if hidden is not None and hidden[1] == 0:
             raise WireError("HIDDEN: zero-width hidden states")
-    for tag in (FieldTag.TOKENS, FieldTag.POSITIONS, FieldTag.ACCEPTED, FieldTag.NODES):
-        if tag in msg.fields:
-            a = np.asarray(msg.fields[tag])
-            if a.size and a.min() < 0:
-                raise WireError(f"{tag.name}: negative value {int(a.min())}")
-    if FieldTag.PARENTS in msg.fields:
-        p = np.asarray(msg.fields[FieldTag.PARENTS])
-        if p.size and (np.any(p < -1) or np.any(p >= np.arange(p.size))):
-            raise WireError("PARENTS: each parent must be -1 or an earlier node index")
-    if FieldTag.KV_OPS in msg.fields:
-        kv_ops_list(msg.fields[FieldTag.KV_OPS])  # validates codes and arguments
+    for tag in _NON_NEGATIVE:
+        a = checked.get(tag)
+        if a is not None and a.size:
+            low = _lowest(a)
+            if low < 0:
+                raise WireError(f"{tag.name}: negative value {low}")
+    p = checked.get(_PARENTS)
+    if p is not None and p.size and (np.any(p < -1) or np.any(p >= np.arange(p.size))):
+        raise WireError("PARENTS: each parent must be -1 or an earlier node index")
 
 
 def kv_ops_array(ops: Any) -> np.ndarray:

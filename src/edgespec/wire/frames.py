@@ -18,16 +18,13 @@ from edgespec.wire.header import Kind
 from edgespec.wire.messages import seq_matrix
 
 
-def _meta(batch: Batch) -> dict:
-    want = batch.want
-    meta: dict = {"sampling": batch.sampling.as_meta()}
-    if want.all():
-        meta["want"] = "all"
-    elif not want.any():
-        meta["want"] = "none"
-    else:
-        meta["want"] = np.flatnonzero(want).tolist()
-    return meta
+def _want_meta(want: np.ndarray) -> str | list[int]:
+    wanted = np.count_nonzero(want)  # one count, not all() and any(): this runs every hop
+    if wanted == len(want):
+        return "all"
+    if not wanted:
+        return "none"
+    return np.flatnonzero(want).tolist()
 
 
 def batch_message(batch: Batch, hidden: np.ndarray | None = None, encoding: str = "f32",
@@ -37,7 +34,8 @@ def batch_message(batch: Batch, hidden: np.ndarray | None = None, encoding: str 
         FieldTag.POSITIONS: batch.pos,
         FieldTag.SEQ_IDS: seq_matrix(batch.seq_ids),
         FieldTag.NODES: batch.nodes,
-        FieldTag.META: {**_meta(batch), "stage": stage},
+        FieldTag.META: {"sampling": batch.sampling.as_meta(), "want": _want_meta(batch.want),
+                        "stage": stage},
     }
     if batch.pre_ops:
         fields[FieldTag.KV_OPS] = list(batch.pre_ops)
@@ -72,7 +70,7 @@ def message_batch(msg: Message) -> tuple[Batch, np.ndarray | None, int]:
         nodes = np.arange(n, dtype=np.int32)
     ops = kv_ops_list(msg.fields[FieldTag.KV_OPS]) if FieldTag.KV_OPS in msg.fields else []
     batch = Batch(np.asarray(tokens), np.asarray(msg[FieldTag.POSITIONS]),
-                  SeqIds.from_bool_matrix(msg[FieldTag.SEQ_IDS]), np.asarray(nodes), want,
+                  SeqIds.from_bool_matrix(msg[FieldTag.SEQ_IDS], remember=True), np.asarray(nodes), want,
                   lap=msg.lap_id, segment=msg.segment_id, pre_ops=ops,
                   sampling=Sampling.from_meta(meta.get("sampling", {})))
     hidden = msg.fields.get(FieldTag.HIDDEN) if msg.kind == Kind.HIDDEN else None
