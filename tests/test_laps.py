@@ -36,7 +36,7 @@ def test_ring_lap_view_has_every_stage_and_link_and_adds_up(real_model_path):
     assert len(lap_lines(view)) == 1 + 3 + 1
 
 
-def _result(lap: int, stamps: list, received: float) -> Result:
+def _result(lap: int, stamps: list, received: int) -> Result:
     return Result(lap, 0, np.zeros(1, np.int32), np.zeros(1, np.int32), stamps, received)
 
 
@@ -49,13 +49,16 @@ def test_lap_times_split_a_lap_and_keep_clock_skewed_laps_out_of_the_links(monke
     import edgespec.laps as laps
 
     lt = LapTimes()
-    monkeypatch.setattr(laps, "now", lambda: 100.0)
+    us = 1_000_000  # stamps are integer microseconds
+    monkeypatch.setattr(laps, "now", lambda: 100 * us)
     lt.sent(_Sent(1))
     lt.sent(_Sent(2))
-    monkeypatch.setattr(laps, "now", lambda: 100.5)
+    monkeypatch.setattr(laps, "now", lambda: 100_500_000)
     # stage 0 on the head's clock, stage 1 on a clock 1 s behind (lap 2 only)
-    lt.got(_result(1, [[0, 100.1, 100.1, 100.2, 0.1], [1, 100.25, 100.3, 100.4, 0.05]], 100.45))
-    lt.got(_result(2, [[0, 100.1, 100.1, 100.2, 0.1], [1, 99.25, 99.3, 99.4, 0.05]], 100.45))
+    lt.got(_result(1, [[0, 100_100_000, 100_100_000, 100_200_000, 100_000],
+                       [1, 100_250_000, 100_300_000, 100_400_000, 50_000]], 100_450_000))
+    lt.got(_result(2, [[0, 100_100_000, 100_100_000, 100_200_000, 100_000],
+                       [1, 99_250_000, 99_300_000, 99_400_000, 50_000]], 100_450_000))
     view = lt.as_dict()
     assert view["laps"] == 2 and view["skewed_laps"] == 1
     assert view["lap_ms"] == pytest.approx(450)
@@ -73,5 +76,5 @@ def test_lap_times_split_a_lap_and_keep_clock_skewed_laps_out_of_the_links(monke
 def test_malformed_stamps_from_a_peer_are_dropped_not_fatal():
     assert stamps_from_meta(None) == []
     assert stamps_from_meta("x") == []
-    assert stamps_from_meta([[0, 1.0, 2.0, 3.0], [1, 1.0, 2.0, 3.0, 0.5],
-                             [True, 1, 2, 3, 0]]) == [[1, 1.0, 2.0, 3.0, 0.5]]
+    assert stamps_from_meta([[0, 1, 2, 3], [1, 10, 20, 30, 5],
+                             [True, 1, 2, 3, 0]]) == [[1, 10, 20, 30, 5]]

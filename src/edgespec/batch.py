@@ -241,4 +241,4 @@ class Result:
     nodes: np.ndarray  # int32 [k]: the wanted rows that survived pruning
     targets: np.ndarray  # int32 [k]: the target model's token at each of those nodes
     timing: list | None = None  # the stages' lap-timing stamps (edgespec.laps)
-    received: float = 0.0  # when the head had it off the wire (edgespec.laps.now)
+    received: int = 0  # when the head had it off the wire (edgespec.laps.now, microseconds)

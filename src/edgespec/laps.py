@@ -1,7 +1,8 @@
 """Lap timing: where one lap's time goes, per stage and per link (docs/design.md 8.1).
 
 Every stage that runs a batch appends one stamp to it, ``[stage, t_in, t_start, t_end, cpu]``
-(seconds; the times on the wall clock): ``t_in`` when its node had the frame off the socket and
+(integer microseconds: a float's shortest repr costs every hop several times an int's, in the
+JSON of META; the times on the wall clock): ``t_in`` when its node had the frame off the socket and
 decoded, ``t_start`` when the stage's worker took it from the queue, ``t_end`` when its compute
 was done and the send to the next stage began, ``cpu`` the CPU time the worker thread spent in
 between (with one llama.cpp thread, all of the compute: a wall time well above it means the
@@ -39,9 +40,15 @@ Stamp = list
 _SENT_MEMORY = 4096
 
 
-def now() -> float:
-    """The clock every stamp uses (wall clock: stamps are compared across processes)."""
-    return time.time()
+def now() -> int:
+    """The clock every stamp uses, in microseconds (wall clock: stamps are compared across
+    processes)."""
+    return time.time_ns() // 1000
+
+
+def cpu_now() -> int:
+    """This thread's CPU time in microseconds (a stamp's ``cpu``)."""
+    return time.thread_time_ns() // 1000
 
 
 @dataclass
@@ -76,17 +83,17 @@ class LapTimes:
         stamps = getattr(result, "timing", None)
         if t_sent is None or not stamps or not len(result.targets):
             return
-        t_recv = getattr(result, "received", 0.0) or t_got
+        t_recv = getattr(result, "received", 0) or t_got
         stamps = sorted(stamps, key=lambda s: s[0])
         self.laps += 1
-        self.lap_s += t_recv - t_sent
-        self.head_wake_s += t_got - t_recv
+        self.lap_s += (t_recv - t_sent) * 1e-6
+        self.head_wake_s += (t_got - t_recv) * 1e-6
         for st, t_in, t_start, t_end, cpu in stamps:
             acc = self.stages.setdefault(int(st), [0, 0.0, 0.0, 0.0])
             acc[0] += 1
-            acc[1] += t_start - t_in
-            acc[2] += t_end - t_start
-            acc[3] += cpu
+            acc[1] += (t_start - t_in) * 1e-6
+            acc[2] += (t_end - t_start) * 1e-6
+            acc[3] += cpu * 1e-6
         hops = [(-1, t_sent)] + [(int(s[0]), s[3]) for s in stamps]
         arrivals = [s[1] for s in stamps] + [t_recv]
         gaps = [(src, t_arr - t_out) for (src, t_out), t_arr in zip(hops, arrivals, strict=True)]
@@ -96,7 +103,7 @@ class LapTimes:
         for src, g in gaps:
             acc = self.links.setdefault(src, [0, 0.0])
             acc[0] += 1
-            acc[1] += g
+            acc[1] += g * 1e-6
 
     def merged(self, other: LapTimes | None) -> LapTimes:
         """These lap times with ``other`` (an earlier part of the same generation) added."""
@@ -173,7 +180,7 @@ def stamps_from_meta(value: Any) -> list[Stamp]:
         if (isinstance(s, list) and len(s) == 5
                 and (all(map(_JSON_NUMBER.__contains__, map(type, s)))
                      or all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in s))):
-            out.append([int(s[0]), float(s[1]), float(s[2]), float(s[3]), float(s[4])])
+            out.append([int(s[0]), int(s[1]), int(s[2]), int(s[3]), int(s[4])])
     return out
 
 

@@ -35,7 +35,7 @@ from edgespec.tree.kvop import KvOp
 from edgespec.wire import FieldTag, Kind, Message
 from edgespec.wire import control as ctl
 from edgespec.wire.auth import AuthError
-from edgespec.wire.frames import batch_message, message_result
+from edgespec.wire.frames import message_result, send_batch
 from edgespec.wire.transport import Connection, TransportError, connect
 
 log = logging.getLogger("edgespec.ring")
@@ -248,8 +248,7 @@ class RemoteChain:
 
     def submit(self, batch: Batch) -> None:
         self._laps.append(batch.lap)
-        msg = batch_message(batch, stage=0)
-        self._first.conn.send(msg)
+        send_batch(self._first.conn, batch)
 
     def kv(self, ops: Sequence[KvOp]) -> None:
         if ops:

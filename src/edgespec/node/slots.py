@@ -35,11 +35,11 @@ from typing import Any
 
 import numpy as np
 
-from edgespec.laps import now, stamps_from_meta
+from edgespec.laps import cpu_now, now, stamps_from_meta
 from edgespec.node.worker import StageWorker
 from edgespec.wire import FieldTag, Kind, Message, WireError, error_message, kv_ops_list
 from edgespec.wire import control as ctl
-from edgespec.wire.frames import batch_message, message_batch, result_message
+from edgespec.wire.frames import frame_batch, result_message, send_batch
 from edgespec.wire.server import FrameServer
 from edgespec.wire.transport import Connection, Frame, TransportError, connect
 
@@ -130,13 +130,12 @@ class StageLoop:
     def _on_batch(self, conn: Connection, frame: Frame) -> Message | None:
         try:
             try:
-                msg = frame.decode()
-                batch, hidden, stage = message_batch(msg)
+                batch, hidden, stage, meta = frame_batch(frame)
             except (ValueError, KeyError) as e:  # schema-valid frame, inconsistent contents
                 raise WireError(f"bad batch: {e}") from None
             # Lap timing (docs/design.md 8.1): earlier stages' stamps, then this stage's arrival.
-            batch.timing = stamps_from_meta(msg.meta.get("timing"))
-            batch.timing.append([stage, now(), 0.0, 0.0, 0.0])
+            batch.timing = stamps_from_meta(meta.get("timing"))
+            batch.timing.append([stage, now(), 0, 0, 0])
             slot = self._slot(stage)
             if hidden is None and slot.stage != 0:
                 raise WireError(f"stage {stage} takes hidden states, not token ids")
@@ -226,12 +225,12 @@ class StageLoop:
                 slot.worker.apply_ops(a)
                 self._send_on(slot, "kv", (a, b))
                 return
-            stamp = a.timing[-1] if a.timing else [slot.stage, 0.0, 0.0, 0.0, 0.0]
-            stamp[2], cpu = now(), time.thread_time()
+            stamp = a.timing[-1] if a.timing else [slot.stage, 0, 0, 0, 0]
+            stamp[2], cpu = now(), cpu_now()
             t = time.perf_counter()
             batch, out = slot.worker.run(a, b)
             slot.busy_s += time.perf_counter() - t
-            stamp[3], stamp[4] = now(), time.thread_time() - cpu
+            stamp[3], stamp[4] = now(), cpu_now() - cpu
             slot.batches += 1
             if slot.is_last:
                 targets = out if out is not None else np.zeros(0, np.int32)
@@ -313,7 +312,7 @@ class StageLoop:
                 batch, hidden = payload
                 # A copy, not a view: the hidden states live in this window's capture buffer,
                 # which its next decode overwrites while the next window may still be queued.
-                batch.timing.append([slot.next_local.stage, now(), 0.0, 0.0, 0.0])
+                batch.timing.append([slot.next_local.stage, now(), 0, 0, 0])
                 slot.next_local.post(("batch", batch, np.array(hidden, copy=True)))
             return
         conn = slot.next_conn
@@ -328,9 +327,7 @@ class StageLoop:
                                   lap_id=int(lap or 0)))
             else:
                 batch, hidden = payload
-                msg = batch_message(batch, hidden, slot.encoding, stage=slot.next_stage)
-                msg.meta["timing"] = batch.timing
-                conn.send(msg)
+                send_batch(conn, batch, hidden, slot.encoding, slot.next_stage, batch.timing)
         except TransportError as e:
             self._drop_link(conn)
             raise _LinkLost(f"stage {slot.stage} on {self.name}: link to the next node "

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import collections
 import threading
-import time
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 
 from edgespec.batch import Batch, Sampling
-from edgespec.laps import now
+from edgespec.laps import cpu_now, now
 from edgespec.tree.kvop import KvOp, KvOpCode
 
 # ------------------------------------------------------------------------- target picking
@@ -97,7 +96,7 @@ class StageWorker:
                 batch = batch.select(keep)
                 if len(batch) == 0:
                     return batch, None
-        t_prev, cpu_prev = now(), time.thread_time()
+        t_prev, cpu_prev = now(), cpu_now()
         x = hidden
         for i, rt in enumerate(self.runtimes):
             last_window = self.is_last and i == len(self.runtimes) - 1
@@ -109,7 +108,7 @@ class StageWorker:
                 return batch, np.zeros(0, dtype=np.int32)
             x = rt_forward(rt, batch, x, want_rows=want)
             if self.stamp_windows:  # in-process windows: one lap-timing stamp each
-                t, cpu = now(), time.thread_time()
+                t, cpu = now(), cpu_now()
                 batch.timing.append([i, t_prev, t_prev, t, cpu - cpu_prev])
                 t_prev, cpu_prev = t, cpu
         if self.is_last:

@@ -306,6 +306,23 @@ def check_json_depth(raw: bytes, limit: int, what: str = "JSON") -> None:
             depth -= 1
 
 
+def json_object(raw: bytes, name: str = "META") -> dict:
+    """A JSON field's object, checked as every JSON field is (depth, UTF-8, an object)."""
+    check_json_depth(raw, MAX_JSON_DEPTH, name)
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise WireError(f"{name}: invalid JSON: {type(e).__name__}: {e}") from None
+    if not isinstance(obj, dict):
+        raise WireError(f"{name}: JSON body must be an object")
+    return obj
+
+
+def json_bytes(obj: Mapping) -> bytes:
+    """A JSON field's bytes, exactly as the encoder writes them."""
+    return _json_encode(obj).encode()
+
+
 def _decode_data(spec: _Spec, enc: Encoding, shape: tuple[int, ...], data: memoryview) -> tuple[Any, Any]:
     """(value, checked) of one field, ``checked`` as in ``_encode_data``."""
     if enc is _I32:
@@ -314,15 +331,7 @@ def _decode_data(spec: _Spec, enc: Encoding, shape: tuple[int, ...], data: memor
     if enc is _F32:
         return np.frombuffer(data, _F4).reshape(shape), None
     if enc is _JSON:
-        raw = bytes(data)
-        check_json_depth(raw, MAX_JSON_DEPTH, spec.name)
-        try:
-            obj = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-            raise WireError(f"{spec.name}: invalid JSON: {type(e).__name__}: {e}") from None
-        if not isinstance(obj, dict):
-            raise WireError(f"{spec.name}: JSON body must be an object")
-        return obj, None
+        return json_object(bytes(data), spec.name), None
     if enc is _BITS:
         # Read-only, so that a batch forwarded unchanged can send on this very matrix
         # (``SeqIds.from_bool_matrix(remember=True)``).

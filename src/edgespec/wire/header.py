@@ -32,7 +32,8 @@ from enum import IntEnum, IntFlag
 from typing import NamedTuple
 
 #: 2: sealed frames (AEAD instead of a MAC), node ids exchanged only after the key proofs.
-PROTOCOL_VERSION = 2
+#: 3: lap-timing stamps in META are integer microseconds (were float seconds).
+PROTOCOL_VERSION = 3
 MAGIC = b"eS"
 HEADER = struct.Struct("<2sBBHHIIIQI")
 HEADER_SIZE = HEADER.size  # 32

@@ -226,6 +226,12 @@ class Connection:
         header, chunks = encode_frame(msg)
         self._send_chunks(header, chunks)
 
+    def send_payload(self, kind: Kind, payload: bytes, *, lap_id: int = 0, segment_id: int = 0,
+                     request_id: int = 0, flags: int = 0) -> None:
+        """Seal and send a payload already encoded (``edgespec.wire.frames.send_batch``)."""
+        self._send_chunks(FrameHeader(kind, flags, request_id, lap_id, segment_id, 0,
+                                      len(payload)), (payload,))
+
     def forward(
         self,
         frame: Frame,
