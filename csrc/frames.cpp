@@ -17,10 +17,10 @@ namespace {
 
 // The wire's numbers (edgespec/wire/header.py, edgespec/wire/codec.py); the Python tests
 // compare these with the enums there.
-enum WireKind : int { KIND_TOKENS = 32, KIND_HIDDEN = 33 };
+enum WireKind : int { KIND_TOKENS = 32, KIND_HIDDEN = 33, KIND_RESULT = 34 };
 enum WireTag : int {
     TAG_TOKENS = 1, TAG_POSITIONS = 2, TAG_SEQ_IDS = 3, TAG_PARENTS = 4, TAG_HIDDEN = 5,
-    TAG_KV_OPS = 6, TAG_NODES = 8, TAG_META = 9,
+    TAG_KV_OPS = 6, TAG_ACCEPTED = 7, TAG_NODES = 8, TAG_META = 9,
 };
 enum WireEncoding : int { ENC_I32 = 1, ENC_F32 = 2, ENC_BITS = 5, ENC_JSON = 6 };
 
@@ -283,6 +283,68 @@ py::object parse_batch_payload(py::object payload, int kind) {
     return py::make_tuple(tokens, positions, ids, counts, nodes, hidden, kv, meta);
 }
 
+// Payload of a RESULT: the target token of each wanted row (ACCEPTED), their tree nodes
+// (NODES) and META. None when an input is not int32 [k] twice, non-negative.
+py::object build_result_payload(py::handle accepted, py::handle nodes, py::bytes meta) {
+    if (!little_endian()) return py::none();
+    I32Array acc, nod;
+    if (!as_i32(accepted, 1, acc) || !as_i32(nodes, 1, nod) || acc.shape(0) != nod.shape(0) ||
+        acc.shape(0) > 0x7fffffff || !all_non_negative(acc) || !all_non_negative(nod))
+        return py::none();
+    const std::string meta_s = meta;
+    const uint64_t k = static_cast<uint64_t>(acc.shape(0));
+    std::string s;
+    s.reserve(48 + 8 * k + meta_s.size());
+    i32_field(s, TAG_ACCEPTED, acc, {k});
+    i32_field(s, TAG_NODES, nod, {k});
+    field_head(s, TAG_META, ENC_JSON, {meta_s.size()});
+    s += meta_s;
+    pad4(s, meta_s.size());
+    return py::bytes(s);
+}
+
+// (accepted, nodes or None, META's JSON bytes or None) of a canonical RESULT payload; None
+// when it is anything else (the Python codec then takes it or names the fault).
+py::object parse_result_payload(py::object payload) {
+    if (!little_endian()) return py::none();
+    py::buffer_info info = py::reinterpret_borrow<py::buffer>(payload).request();
+    if (info.ndim != 1 || info.itemsize != 1 || (info.strides.size() && info.strides[0] != 1))
+        return py::none();
+    const uint8_t *base = static_cast<const uint8_t *>(info.ptr);
+    const size_t end = static_cast<size_t>(info.size);
+    Field f[10];
+    size_t off = 0;
+    while (off < end) {
+        if (end - off < 4) return py::none();
+        const int tag = base[off], enc = base[off + 1], ndim = base[off + 2], reserved = base[off + 3];
+        off += 4;
+        if (reserved || (tag != TAG_ACCEPTED && tag != TAG_NODES && tag != TAG_META) || f[tag].present)
+            return py::none();
+        if (enc != (tag == TAG_META ? ENC_JSON : ENC_I32) || ndim != 1 || end - off < 4) return py::none();
+        Field &fd = f[tag];
+        std::memcpy(&fd.dims[0], base + off, 4);
+        off += 4;
+        const uint64_t size = tag == TAG_META ? fd.dims[0] : 4 * uint64_t(fd.dims[0]);
+        const uint64_t padded = size + (4 - size % 4) % 4;
+        if (padded > end - off) return py::none();
+        for (uint64_t p = size; p < padded; ++p)
+            if (base[off + p]) return py::none();
+        fd.present = true;
+        fd.off = off;
+        fd.size = static_cast<size_t>(size);
+        off += static_cast<size_t>(padded);
+    }
+    if (!f[TAG_ACCEPTED].present) return py::none();
+    for (int tag : {TAG_ACCEPTED, TAG_NODES})
+        if (f[tag].present && !i32_non_negative(base, f[tag])) return py::none();
+    py::object nodes = py::none(), meta = py::none();
+    if (f[TAG_NODES].present) nodes = copy_i32(base, f[TAG_NODES], {py::ssize_t(f[TAG_NODES].dims[0])});
+    if (f[TAG_META].present)
+        meta = py::bytes(reinterpret_cast<const char *>(base + f[TAG_META].off), f[TAG_META].size);
+    return py::make_tuple(copy_i32(base, f[TAG_ACCEPTED], {py::ssize_t(f[TAG_ACCEPTED].dims[0])}),
+                          nodes, meta);
+}
+
 }  // namespace
 
 void bind_frames(py::module_ &m) {
@@ -293,6 +355,10 @@ void bind_frames(py::module_ &m) {
     m.def("parse_batch_payload", &parse_batch_payload, py::arg("payload"), py::arg("kind"),
           "(tokens, positions, ids, counts, nodes, hidden, kv_ops, meta) of a canonical "
           "TOKENS/HIDDEN payload; None: use the Python codec.");
+    m.def("build_result_payload", &build_result_payload, py::arg("accepted"), py::arg("nodes"),
+          py::arg("meta"), "Payload bytes of a RESULT; None: use the Python codec.");
+    m.def("parse_result_payload", &parse_result_payload, py::arg("payload"),
+          "(accepted, nodes, meta) of a canonical RESULT payload; None: use the Python codec.");
 }
 
 }  // namespace edgespec

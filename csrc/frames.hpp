@@ -1,5 +1,5 @@
-// The data path's frames in C++: a batch's TOKENS / HIDDEN payload built from its arrays, and
-// read back into arrays (docs/design.md 5.1, 8.3).
+// The data path's frames in C++: a batch's TOKENS / HIDDEN payload and its RESULT's built
+// from their arrays, and read back into arrays (docs/design.md 5.1, 8.3).
 //
 // Why C++: every hop of every lap encodes one of these and decodes one, and measured in a
 // running ring the Python codec runs several times slower than in a warm loop (llama.cpp's

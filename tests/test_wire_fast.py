@@ -1,5 +1,5 @@
 """The data path's frames through the C++ core (``edgespec.wire.frames.send_batch`` /
-``frame_batch``, csrc/frames.cpp) against the Python codec, which defines the protocol
+``frame_batch`` and the codec's RESULT path, csrc/frames.cpp) against the Python codec, which defines the protocol
 (docs/design.md 5.1, 8.3): the same bytes for every batch the fast path builds, the same batch
 for every payload it reads, and every payload it does not take (another encoding, a fault)
 left to the codec, which takes it or names the fault."""
@@ -125,3 +125,75 @@ def test_corrupted_payloads_are_refused_exactly_as_the_codec_refuses_them():
         else:
             _same_batch(fast[0], slow[0])
     assert core_took and core_left and refused
+
+
+def _python_codec(monkeypatch) -> None:
+    """The codec with its RESULT fast path switched off (the reference)."""
+    import types
+
+    from edgespec.wire import codec
+
+    monkeypatch.setattr(codec, "_core", types.SimpleNamespace(
+        build_result_payload=lambda *a: None, parse_result_payload=lambda p: None))
+
+
+def _result_frames(rng: np.random.Generator, count: int) -> list:
+    from edgespec.wire.frames import result_message
+
+    out = []
+    for trial in range(count):
+        n = int(rng.integers(1, 12))
+        b = _batch(rng, n, 2)
+        k = int(np.count_nonzero(b.want))
+        msg = result_message(b, rng.integers(0, 150_000, k))
+        msg.fields[FieldTag.META] = {"timing": [[0, 1_764_600_000_000_000 + trial, 2, 3, 4]]}
+        out.append(msg)
+    return out
+
+
+def test_result_frames_are_the_codecs(monkeypatch):
+    from edgespec.wire.codec import decode_payload
+
+    msgs = _result_frames(np.random.default_rng(5), 100)
+    fast = [encode_frame(m) for m in msgs]
+    read = [decode_payload(h, b"".join(bytes(c) for c in ch)) for h, ch in fast]
+    _python_codec(monkeypatch)
+    for msg, (h, ch), got in zip(msgs, fast, read, strict=True):
+        h2, ch2 = encode_frame(msg)
+        raw = b"".join(bytes(c) for c in ch)
+        assert h2 == h and raw == b"".join(bytes(c) for c in ch2)
+        ref = decode_payload(h, raw)
+        assert got.fields.keys() == ref.fields.keys() and got.meta == ref.meta
+        for tag in (FieldTag.ACCEPTED, FieldTag.NODES):
+            assert np.array_equal(got.fields[tag], ref.fields[tag])
+
+
+def test_corrupted_results_are_refused_exactly_as_the_codec_refuses_them(monkeypatch):
+    from edgespec.wire.codec import decode_payload
+
+    rng = np.random.default_rng(11)
+    cases = []
+    for msg in _result_frames(rng, 300):
+        h, ch = encode_frame(msg)
+        raw = bytearray(b"".join(bytes(c) for c in ch))
+        for _ in range(int(rng.integers(1, 3))):
+            raw[int(rng.integers(0, len(raw)))] = int(rng.integers(0, 256))
+        cases.append((h, bytes(raw)))
+
+    def read_all() -> list:
+        out = []
+        for h, raw in cases:
+            try:
+                m = decode_payload(h, raw)
+                out.append((sorted(m.fields), m.meta, [np.asarray(m.fields[t]).tolist() for t in
+                                                      (FieldTag.ACCEPTED, FieldTag.NODES)
+                                                      if t in m.fields]))
+            except WireError:
+                out.append(None)
+        return out
+
+    core_took = sum(_core.parse_result_payload(raw) is not None for _, raw in cases)
+    fast = read_all()
+    _python_codec(monkeypatch)
+    assert fast == read_all()
+    assert 0 < core_took < len(cases) and None in fast

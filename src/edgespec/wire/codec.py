@@ -37,6 +37,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from edgespec._native import core as _core
 from edgespec.tree.kvop import KvOp, KvOpCode
 from edgespec.wire.header import (
     KNOWN_FLAGS,
@@ -464,11 +465,30 @@ def encode_frame(msg: Message, seq: int = 0) -> tuple[FrameHeader, list[bytes | 
     _check_ids("sequence number", seq, 64)
     if msg.flags & ~KNOWN_FLAGS:
         raise WireError(f"unknown flag bits 0x{msg.flags & ~KNOWN_FLAGS:04x}")
+    fast = _result_payload(msg) if msg.kind == Kind.RESULT else None
+    if fast is not None:
+        return FrameHeader(Kind.RESULT, int(msg.flags), rid, lap, seg, seq, len(fast)), [fast]
     chunks, plen = _encode(msg)
     if plen > U32_MAX:
         raise WireError(f"payload of {plen} bytes does not fit a frame")
     kind = msg.kind if type(msg.kind) is Kind else Kind(msg.kind)
     return FrameHeader(kind, int(msg.flags), rid, lap, seg, seq, plen), chunks
+
+
+def _result_payload(msg: Message) -> bytes | None:
+    """A RESULT's payload from the C++ core (one call: every lap's last link, docs/design.md
+    8.3), byte for byte this codec's; None when the message is not its canonical form
+    (ACCEPTED, NODES and META, int32 and non-negative), which ``_encode`` then handles."""
+    f = msg.fields
+    acc, nodes, meta = f.get(FieldTag.ACCEPTED), f.get(FieldTag.NODES), f.get(FieldTag.META)
+    if (len(f) != 3 or type(acc) is not np.ndarray or type(nodes) is not np.ndarray
+            or type(meta) is not dict):
+        return None
+    try:
+        raw = _json_encode(meta).encode()
+    except (TypeError, ValueError):
+        return None
+    return _core.build_result_payload(acc, nodes, raw)
 
 
 def decode_payload(header: FrameHeader, payload: bytes | bytearray | memoryview) -> Message:
@@ -477,6 +497,17 @@ def decode_payload(header: FrameHeader, payload: bytes | bytearray | memoryview)
     end = mv.nbytes
     if end != header.payload_len:
         raise WireError(f"payload is {end} bytes, header says {header.payload_len}")
+    if header.kind == Kind.RESULT:
+        parsed = _core.parse_result_payload(mv)
+        if parsed is not None:  # the canonical RESULT, read in one call (_result_payload)
+            acc, nodes, meta_raw = parsed
+            got: dict[FieldTag, Any] = {FieldTag.ACCEPTED: acc}
+            if nodes is not None:
+                got[FieldTag.NODES] = nodes
+            if meta_raw is not None:
+                got[FieldTag.META] = json_object(meta_raw)
+            return Message(header.kind, got, header.request_id, header.lap_id,
+                           header.segment_id, header.flags)
     fields: dict[FieldTag, Any] = {}
     shapes: dict[FieldTag, tuple[int, ...]] = {}
     checked: dict[FieldTag, Any] = {}
