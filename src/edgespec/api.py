@@ -104,11 +104,7 @@ class Ring:
         """``parallel``: requests served at once (slots; each gets ``n_ctx // parallel`` of
         the context, as llama-server divides it). ``max_queue``: requests that may wait for
         a slot (None: any number); one more is refused with ``RingBusy`` at once."""
-        if isinstance(parallel, bool) or not isinstance(parallel, int):
-            raise ValueError(f"parallel must be an integer, got {parallel!r}")
-        width = slot_width(parallel)
-        if max_queue is not None and max_queue < 0:
-            raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+        width = slot_width(parallel)  # ValueError unless 1 <= parallel <= 128
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.default_spec = spec
@@ -132,10 +128,10 @@ class Ring:
         self.pool = SlotPool(chain, make_engine, Session, parallel=parallel,
                              max_queue=max_queue, recover=recover)
         self._drafter = self._drafters[0] if self._drafters else None
-        self.engine = self.pool.slots[0].engine  # slot 0's (the only one when parallel=1)
-        self.session = self.pool.slots[0].session
-        self.last: Generation | None = None
         self._last_slot = self.pool.slots[0]
+        # Slot 0's engine and session (the only ones when parallel=1).
+        self.engine, self.session = self._last_slot.engine, self._last_slot.session
+        self.last: Generation | None = None
         self.local_nodes: Any = None  # set by Ring.local: its node processes
         self.draft_name: str | None = None  # the draft model's file name, if any
 

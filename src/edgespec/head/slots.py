@@ -52,7 +52,8 @@ OWNED_LAPS = 8192
 
 def slot_width(parallel: int) -> int:
     """Seq ids per slot (the committed one and its tree seqs)."""
-    if not 1 <= parallel <= N_SEQ // 2:
+    if isinstance(parallel, bool) or not isinstance(parallel, int) \
+            or not 1 <= parallel <= N_SEQ // 2:
         raise ValueError(f"parallel must be in 1..{N_SEQ // 2}, got {parallel}")
     return N_SEQ // parallel
 
@@ -279,6 +280,8 @@ class SlotPool:
                  recover: Callable[[Exception], Chain] | None = None) -> None:
         self.parallel = parallel
         self.width = slot_width(parallel)
+        if max_queue is not None and max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0 (or None: no limit), got {max_queue}")
         self.max_queue = max_queue
         self.chain = chain
         self._recover = recover
