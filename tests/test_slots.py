@@ -272,3 +272,47 @@ def test_queue_beyond_the_slots_is_bounded(local2):
     for s in held[1:]:
         s.close()
     assert [s["state"] for s in ring.slots()] == ["free", "free"]
+
+
+# ------------------------------------------------------------------------- a lost node
+
+
+def test_lost_node_during_concurrent_generation_one_rebuild_replays_every_slot(
+        real_model_path):
+    import os
+    import signal
+
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    n = 48
+    with Ring.local(real_model_path, stages=3, parallel=2, spec="none") as ring:
+        refs = []
+        for p in prompts:
+            ring.reset()
+            refs.append(ring.generate(p, max_tokens=n).tokens)
+        ring.reset()
+        victim = ring.local_nodes.procs[1]  # the middle stage's process
+        started = threading.Barrier(2)
+        killed = threading.Event()
+
+        def run(i: int):
+            stream = ring.stream(prompts[i], max_tokens=n)
+            for seen, _piece in enumerate(stream, start=1):
+                if seen == 1:
+                    started.wait()  # both slots are generating
+                if i == 0 and seen == 12 and not killed.is_set():
+                    os.kill(victim.pid, signal.SIGKILL)
+                    killed.set()
+            return stream.result
+
+        gens = _concurrently(run, [0, 1])
+        assert killed.is_set()
+        assert len(ring.recovery_log) == 1  # one rebuild, shared by both slots
+        assert ring.chain.n_stages == 2
+        for p, g, ref in zip(prompts, gens, refs, strict=True):
+            assert g.stats.recoveries == 1
+            assert len(g.tokens) == n
+            assert_same_greedy(g.tokens, ref, real_model_path, _tokens(ring, p),
+                               f"{p[:20]!r} across the rebuild")
+        # The rebuilt ring serves both slots on.
+        again = _concurrently(lambda p: ring.generate(p, max_tokens=8).tokens, prompts)
+        assert all(len(t) == 8 for t in again)
