@@ -21,6 +21,9 @@ class NoneMode:
         if first is not None:
             self.stats.steps += 1
             self.stats.accepted_hist[1] += 1
+            if self.listeners:  # the prefill's last lap brought it
+                self._emit({"e": "plain", "lap": self._lap, "root": int(root),
+                            "token": int(first)})
             root = first
             yield [first]
         while True:
