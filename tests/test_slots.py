@@ -82,6 +82,27 @@ def local2(real_model_path):
         yield ring
 
 
+def test_parallel_one_is_todays_head_and_slots_divide_the_ring(local2):
+    """parallel=1: the one engine drives the chain itself (no slot machinery in the way);
+    parallel=4: each engine its own slot chain, a quarter of the context, 63 tree seqs."""
+    from edgespec.head.engine.runner import SpecEngine
+    from edgespec.tree import core
+
+    chain, tok = local2.chain, local2.tokenizer
+    one = Ring(chain, tok, model_name="t", n_ctx=2048)
+    assert one.parallel == 1 and one.pool.demux is None and one.engine.chain is chain
+    assert one.engine.max_seqs == core.MAX_SEQS and one.engine.n_ctx == 2048
+    four = Ring(chain, tok, model_name="t", n_ctx=2048, parallel=4, max_queue=0)
+    engines = [s.engine for s in four.pool.slots]
+    assert all(isinstance(e, SpecEngine) and isinstance(e.chain, SlotChain) for e in engines)
+    assert [e.chain.base for e in engines] == [0, 64, 128, 192]
+    assert {e.max_seqs for e in engines} == {63} and {e.n_ctx for e in engines} == {512}
+    assert len({e._lap >> 26 for e in engines}) == 4  # lap ids of slots never meet
+    assert [s["state"] for s in four.slots()] == ["free"] * 4
+    with pytest.raises(ValueError):
+        Ring(chain, tok, model_name="t", parallel=0)
+
+
 def _tokens(ring: Ring, text: str) -> list[int]:
     return ring.tokenizer.encode(text, add_special=True, parse_special=False)
 
@@ -208,6 +229,43 @@ def test_next_turn_on_its_slot_computes_only_new_tokens(ring4):
     held = [s.engine.history for s in ring.pool.slots]
     for t, g in zip(nxt, second, strict=True):
         assert t + g.tokens[:-1] in held
+
+
+def test_a_failed_request_ends_alone(ring4, real_model_path):
+    """A stage refuses one slot's batch (StageFailure, routed by lap): that request ends,
+    the request in the other slot goes on untouched, and both slots serve on."""
+    from edgespec.batch import Sampling
+    from edgespec.errors import StageFailure
+
+    ring = ring4
+    ring.reset()
+    ref = ring.generate(PROMPTS[1], max_tokens=N, spec="none").tokens
+    ring.reset()
+    bad = _tokens(ring, PROMPTS[4])
+    first_piece = threading.Event()
+
+    def good():
+        stream = ring.stream(PROMPTS[1], max_tokens=N, spec="none")
+        for i, _piece in enumerate(stream):
+            if i == 0:
+                first_piece.set()
+        return stream.result
+
+    def failing():
+        first_piece.wait()
+        # Past the Ring's own checks, to the stages: a sampling value they refuse.
+        with ring.pool.acquire(bad) as slot, pytest.raises(StageFailure, match="top_p"):
+            for _ in slot.session.tokens(bad, max_tokens=4, mode="none",
+                                         sampling=Sampling(temperature=1.0, top_p=-1.0)):
+                pass
+        return None
+
+    g, _ = _concurrently(lambda f: f(), [good, failing])
+    assert_same_greedy(g.tokens, ref, real_model_path, _tokens(ring, PROMPTS[1]),
+                       "next to a failing request")
+    after = _concurrently(lambda p: ring.generate(p, max_tokens=4, spec="none").tokens,
+                          PROMPTS[:4])
+    assert all(len(t) == 4 for t in after)
 
 
 # ------------------------------------------------------------------------- isolation

@@ -67,6 +67,9 @@ class Demux:
         self.cond = threading.Condition()
         self.reading = False
         self.owner: collections.OrderedDict[int, SlotChain] = collections.OrderedDict()
+        # Laps given up by a slot (``SlotChain.abandon``): their answers, errors included,
+        # are dropped on arrival, never raised in another slot.
+        self.abandoned: collections.OrderedDict[int, None] = collections.OrderedDict()
         self.slots: list[SlotChain] = []
 
     def own(self, lap: int, slot: SlotChain) -> None:
@@ -83,6 +86,8 @@ class Demux:
             slot = self.owner.get(lap) if lap is not None else None
             if slot is not None:
                 slot.inbox.append(item)
+            elif lap is not None and lap in self.abandoned and not isinstance(item, NodeLost):
+                log.debug("dropping an error about an abandoned batch: %s", item)
             elif isinstance(item, NodeLost):
                 for s in self.slots:  # the ring is broken under every slot
                     s.inbox.append(item)
@@ -229,6 +234,9 @@ class SlotChain:
             for lap in self._laps:
                 if d.owner.get(lap) is self:
                     del d.owner[lap]
+                d.abandoned[lap] = None
+            while len(d.abandoned) > OWNED_LAPS:
+                d.abandoned.popitem(last=False)
             self._laps.clear()
             self.inbox.clear()
 
