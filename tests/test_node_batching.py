@@ -217,19 +217,23 @@ class Loop(StageLoop):
 def test_loop_merges_and_forwards_each(windows) -> None:
     (rt0, rt1), _ = windows
     ps = prompts(5, rt0.n_vocab, seed=9)
+    def items():  # lap 3 wants no target (a prefill chunk): its rows still go through
+        return [("batch", prefill(s + 1, p, lap=s + 1, want_last=s != 2), None)
+                for s, p in enumerate(ps)]
+
     reset(rt0, rt1)
     one = {}
-    for s, p in enumerate(ps):  # one at a time: each its own loop run
-        one.update(Loop([rt0, rt1]).run([("batch", prefill(s + 1, p, lap=s + 1), None)]))
+    for item in items():  # one at a time: each its own loop run
+        one.update(Loop([rt0, rt1]).run([item]))
 
     reset(rt0, rt1)
     loop = Loop([rt0, rt1])
-    got = loop.run([("batch", prefill(s + 1, p, lap=s + 1), None) for s, p in enumerate(ps)])
+    got = loop.run(items())
     for k in (0, 1):
         assert (loop.slots[k].batches, loop.slots[k].merged) == (5, 1)
     assert sorted(got) == [1, 2, 3, 4, 5]
     for lap, r in got.items():
-        assert r.nodes.tolist() == [1000 * lap + len(ps[lap - 1]) - 1]
+        assert r.nodes.tolist() == ([] if lap == 3 else [1000 * lap + len(ps[lap - 1]) - 1])
         # Greedy targets: float32 rounding of another batch shape is far below the gaps of
         # the tiny model's logits (a near-tie would need the rule of test_worker_*).
         assert r.targets.tolist() == one[lap].targets.tolist()
@@ -267,6 +271,17 @@ def test_loop_keeps_sequence_and_kv_order(windows) -> None:
     reset(rt0, rt1)
     alone = Loop([rt0, rt1]).run([("batch", prefill(1, p, lap=4), None)])
     assert got[4].targets.tolist() == alone[4].targets.tolist()
+    # Chunks that want no target at all, merged: each answered with no targets, and their
+    # rows are in the KV (the next batch of each sequence continues it).
+    reset(rt0, rt1)
+    loop = Loop([rt0, rt1])
+    got = loop.run([("batch", prefill(s, ps[s], lap=s, want_last=False), None)
+                    for s in range(3)])
+    assert {lap: r.targets.tolist() for lap, r in got.items()} == {0: [], 1: [], 2: []}
+    assert (loop.slots[1].batches, loop.slots[1].merged) == (3, 1)
+    got = Loop([rt0, rt1]).run([("batch", prefill(s, [7], lap=10 + s, start=len(ps[s])), None)
+                                for s in range(3)])
+    assert sorted(got) == [10, 11, 12]
 
 
 # ------------------------------------------------------------------- node processes
@@ -339,3 +354,20 @@ def test_node_processes_merge_and_report(real_ring, real_model_path) -> None:
                 logits = whole.forward(np.asarray(ps[s], np.int32), 0)[-1]
             gap = float(logits[alone[s][0]] - logits[got[s][0]])
             assert abs(gap) < 0.5, (s, got[s], alone[s], gap)
+
+
+def test_loop_drops_pruned_rows_per_batch(windows) -> None:
+    (rt0, rt1), _ = windows
+    ps = prompts(3, rt0.n_vocab, seed=17)
+    reset(rt0, rt1)
+    loop = Loop([rt0, rt1])
+    for slot in loop.slots.values():  # as _on_prune does: lap 2's every node was rejected
+        slot.worker.prune(2, range(2000, 2000 + len(ps[1])), ())
+    got = loop.run([("batch", prefill(s + 1, p, lap=s + 1), None) for s, p in enumerate(ps)])
+    assert got[2].targets.tolist() == [] and got[2].nodes.tolist() == []
+    assert [len(got[lap].targets) for lap in (1, 3)] == [1, 1]
+    assert (loop.slots[0].batches, loop.slots[0].merged) == (3, 1)
+    assert (loop.slots[1].batches, loop.slots[1].merged) == (2, 1)  # lap 2 went no further
+    # Seq 2 holds nothing (its rows never ran): its prompt starts again at position 0.
+    again = Loop([rt0, rt1]).run([("batch", prefill(2, ps[1], lap=4), None)])
+    assert len(again[4].targets) == 1
