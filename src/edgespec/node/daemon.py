@@ -233,7 +233,7 @@ class Node(StageLoop):
             else:
                 link = "none"
             stages[s.stage] = ctl.StageHealth(
-                range=s.layer_range, batches=s.batches, busy_s=round(s.busy_s, 3),
+                range=s.layer_range, batches=s.batches, merged=s.merged, busy_s=round(s.busy_s, 3),
                 queued=s.inbox.qsize(), next=link, next_stage=s.next_stage, is_last=s.is_last)
         return ctl.HealthReply(
             node_id=self.node_id, name=self.name, version=__version__, proto=PROTOCOL_VERSION,

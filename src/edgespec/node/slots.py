@@ -9,6 +9,8 @@ Frames of the data path (all over authenticated connections, ``edgespec.wire.tra
   stage's queue; the stage's worker thread applies the batch's KV operations, drops rows of
   pruned tree nodes, runs the window, and sends the hidden states to the next stage (directly,
   node to node, not through the head) or, on the last stage, the target tokens to the head.
+  Batches of other sequences already waiting behind it join its decode (one llama.cpp
+  batch, docs/design.md 5.7) and go on separately.
 - KV_OPS: KV operations ordered with the batches (they travel the ring like a batch).
 - PRUNE: tree nodes rejected by the head's verifier. Applied at once, so rows of those nodes
   still queued or in flight are dropped before they cost compute.
@@ -36,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from edgespec.laps import cpu_now, now, stamps_from_meta
+from edgespec.node.merge import MERGE_MAX_ROWS, NOTHING, gather
 from edgespec.node.worker import StageWorker
 from edgespec.wire import FieldTag, Kind, Message, WireError, error_message, kv_ops_list
 from edgespec.wire import control as ctl
@@ -72,6 +75,7 @@ class StageSlot:
     thread: threading.Thread | None = None
     busy_s: float = 0.0
     batches: int = 0
+    merged: int = 0  # decodes that took more than one batch (edgespec.node.merge)
     # Items posted and not yet finished (queued or running), and the lock whoever runs an
     # item holds: the stage's thread, or the reading thread for a batch it runs in place.
     pending: int = 0
@@ -207,15 +211,24 @@ class StageLoop:
         return None
 
     def _run_slot(self, slot: StageSlot) -> None:
+        held: tuple | None = NOTHING  # an item gather() took but could not merge: next
+        cap = int(getattr(slot.runtime, "n_batch", 0) or MERGE_MAX_ROWS)
         while True:
-            item = slot.inbox.get()
+            item, held = (slot.inbox.get() if held is NOTHING else held), NOTHING
             if item is None:
                 return
+            items = [item]
+            if item[0] == "batch" and not slot.inbox.empty():  # merged decodes: design.md 5.7
+                items, held = gather(slot.inbox, item, cap)
             try:
                 with slot.run_lock:
-                    self._process(slot, item)
+                    if len(items) == 1:
+                        self._process(slot, item)
+                    else:
+                        self._process_merged(slot, items)
             finally:
-                slot.finished()
+                for _ in items:
+                    slot.finished()
 
     def _process(self, slot: StageSlot, item: tuple) -> None:
         """Run one item of a stage (a batch or KV operations) and pass the result on."""
@@ -232,28 +245,59 @@ class StageLoop:
             slot.busy_s += time.perf_counter() - t
             stamp[3], stamp[4] = now(), cpu_now() - cpu
             slot.batches += 1
-            if slot.is_last:
-                targets = out if out is not None else np.zeros(0, np.int32)
-                msg = result_message(batch, targets)
-                msg.fields[FieldTag.META] = {"timing": batch.timing}
-                self._to_head(slot, msg)
-            elif out is None:
-                # Every row was pruned on the way: the head still expects an answer.
-                self._send_on(slot, "empty", batch)
-            else:
-                self._send_on(slot, "batch", (batch, out))
-        except _LinkLost as e:  # the head treats it as a lost node (re-plans)
+            self._pass_on(slot, batch, out)
+        except Exception as e:
+            self._report(slot, e, a.lap if kind == "batch" else int(b or 0))
+
+    def _process_merged(self, slot: StageSlot, items: list[tuple]) -> None:
+        """Run several batches (``gather``) as one decode, then pass each on by itself with
+        its own lap id, META and timing stamp; every stamp carries the shared compute window
+        (arrival stays each batch's own)."""
+        stamps = [a.timing[-1] if a.timing else [slot.stage, 0, 0, 0, 0]
+                  for _, a, _ in items]
+        t0, cpu = now(), cpu_now()
+        t = time.perf_counter()
+        try:
+            outs = slot.worker.run_many([(a, b) for _, a, b in items])
+        except Exception as e:  # a pending prune op failed: every batch fails, as in run()
+            outs = [e] * len(items)
+        slot.busy_s += time.perf_counter() - t
+        t1, cpu = now(), cpu_now() - cpu
+        slot.batches += len(items)
+        slot.merged += 1
+        for (_, a, _), stamp, res in zip(items, stamps, outs, strict=True):
+            stamp[2], stamp[3], stamp[4] = t0, t1, cpu
+            try:
+                if isinstance(res, BaseException):
+                    raise res
+                self._pass_on(slot, *res)
+            except Exception as e:
+                self._report(slot, e, a.lap)
+
+    def _pass_on(self, slot: StageSlot, batch: Any, out: np.ndarray | None) -> None:
+        """Forward a run batch: targets to the head (last stage), else hidden states on."""
+        if slot.is_last:
+            targets = out if out is not None else np.zeros(0, np.int32)
+            msg = result_message(batch, targets)
+            msg.fields[FieldTag.META] = {"timing": batch.timing}
+            self._to_head(slot, msg)
+        elif out is None:
+            # Every row was pruned on the way: the head still expects an answer.
+            self._send_on(slot, "empty", batch)
+        else:
+            self._send_on(slot, "batch", (batch, out))
+
+    def _report(self, slot: StageSlot, e: Exception, lap: int) -> None:
+        """Tell the head that an item of ``lap`` failed here; the stage keeps serving."""
+        if isinstance(e, _LinkLost):  # the head treats it as a lost node (re-plans)
             log.warning("%s", e)
             msg = error_message("next_lost", str(e))
-            msg.lap_id = a.lap if kind == "batch" else int(b or 0)
-            self._to_head(slot, msg)
-        except Exception as e:  # reported to the head; the stage keeps serving
-            log.exception("stage %d failed", slot.stage)
-            lap = a.lap if kind == "batch" else int(b or 0)
+        else:
+            log.error("stage %d failed", slot.stage, exc_info=e)
             msg = error_message("stage_failed", f"stage {slot.stage} on {self.name}: "
                                 f"{type(e).__name__}: {e}")
-            msg.lap_id = lap
-            self._to_head(slot, msg)
+        msg.lap_id = lap
+        self._to_head(slot, msg)
 
     def _read_next(self, out: Connection) -> None:
         """Read what the next node sends back on our link to it. Nothing is expected but an

@@ -15,6 +15,7 @@ import numpy as np
 
 from edgespec.batch import Batch, Sampling
 from edgespec.laps import cpu_now, now
+from edgespec.node.merge import concat_batches
 from edgespec.tree.kvop import KvOp, KvOpCode
 
 # ------------------------------------------------------------------------- target picking
@@ -81,6 +82,13 @@ class StageWorker:
         batch and the hidden states for the next hop, or target tokens on the last stage."""
         self._flush_pending()
         self.apply_ops(batch.pre_ops)
+        batch, hidden = self._drop_pruned(batch, hidden)
+        if len(batch) == 0:
+            return batch, None
+        return self._forward(batch, hidden)
+
+    def _drop_pruned(self, batch: Batch, hidden: np.ndarray | None
+                     ) -> tuple[Batch, np.ndarray | None]:
         with self._lock:
             dead_set = self._pruned.get(batch.lap)
             pruned = np.fromiter(dead_set, dtype=np.int32) if dead_set else None
@@ -94,8 +102,10 @@ class StageWorker:
                 if hidden is not None:
                     hidden = hidden[keep]
                 batch = batch.select(keep)
-                if len(batch) == 0:
-                    return batch, None
+        return batch, hidden
+
+    def _forward(self, batch: Batch, hidden: np.ndarray | None
+                 ) -> tuple[Batch, np.ndarray | None]:
         t_prev, cpu_prev = now(), cpu_now()
         x = hidden
         for i, rt in enumerate(self.runtimes):
@@ -114,6 +124,82 @@ class StageWorker:
         if self.is_last:
             return batch, pick_targets(x, batch.pos[batch.want], batch.sampling)
         return batch, x
+
+    def run_many(self, items: Sequence[tuple[Batch, np.ndarray | None]]
+                 ) -> list[tuple[Batch, np.ndarray | None] | BaseException]:
+        """Process several batches (of other laps, admitted by a ``MergeFence``) as ONE decode
+        per window: pending prune ops, each batch's ``pre_ops`` in order, each batch's pruned
+        rows dropped, then the surviving rows concatenated through every hosted window. The
+        outputs are split back: per batch what ``run`` returns (hidden rows, or on the last
+        stage the targets of its wanted rows drawn with its own ``Sampling``), or the
+        exception that batch failed with (its pre_ops, or its rows when run alone).
+
+        Equivalent to ``run`` on each in turn because the fence admits a batch only when its
+        rows and its ``pre_ops`` touch no sequence of an earlier batch's rows: moving its ops
+        before their decode changes nothing they read, and attention never crosses sequences.
+        If the merged decode fails (the runtime rolled it back: nothing changed), each batch
+        is decoded alone, so only the batch at fault fails."""
+        self._flush_pending()
+        out: list = [None] * len(items)
+        live: list[tuple[int, Batch, np.ndarray | None]] = []
+        for i, (batch, hidden) in enumerate(items):
+            try:
+                self.apply_ops(batch.pre_ops)
+            except Exception as e:  # as run() would fail it; the others go on
+                out[i] = e
+                continue
+            batch, hidden = self._drop_pruned(batch, hidden)
+            if len(batch) == 0:
+                out[i] = (batch, None)
+            else:
+                live.append((i, batch, hidden))
+        if len(live) == 1:
+            i, batch, hidden = live[0]
+            out[i] = self._forward_caught(batch, hidden, copy=False)
+        elif live:
+            try:
+                parts = self._forward_merged([(b, h) for _, b, h in live])
+            except Exception:
+                parts = [self._forward_caught(b, h, copy=True) for _, b, h in live]
+            for (i, _, _), part in zip(live, parts, strict=True):
+                out[i] = part
+        return out
+
+    def _forward_caught(self, batch: Batch, hidden: np.ndarray | None, copy: bool):
+        try:
+            batch, x = self._forward(batch, hidden)
+        except Exception as e:
+            return e
+        if copy and not self.is_last:  # decodes follow: each reuses the buffer ``x`` views
+            x = np.array(x, copy=True)
+        return batch, x
+
+    def _forward_merged(self, parts: list[tuple[Batch, np.ndarray | None]]
+                        ) -> list[tuple[Batch, np.ndarray]]:
+        batches = [b for b, _ in parts]
+        merged = concat_batches(batches)
+        x = None if parts[0][1] is None else np.concatenate([h for _, h in parts])
+        bounds = np.cumsum([0] + [len(b) for b in batches])
+        for i, rt in enumerate(self.runtimes):
+            last_window = self.is_last and i == len(self.runtimes) - 1
+            want = np.flatnonzero(merged.want) if last_window else None
+            if last_window and len(want) == 0:  # all prefill chunks: see _forward
+                rt_forward(rt, merged, x, want_rows=[len(merged) - 1])
+                return [(b, np.zeros(0, dtype=np.int32)) for b in batches]
+            x = rt_forward(rt, merged, x, want_rows=want)
+        if not self.is_last:
+            # Views of the window's output buffer, as ``run`` returns: valid until its next
+            # decode (the caller forwards them first, or copies).
+            return [(b, x[bounds[k]:bounds[k + 1]]) for k, b in enumerate(batches)]
+        # Logits rows come in batch order of the wanted rows: split them per batch, and pick
+        # each batch's targets with its own sampling.
+        res, r = [], 0
+        for b in batches:
+            k = int(np.count_nonzero(b.want))
+            res.append((b, pick_targets(x[r:r + k], b.pos[b.want], b.sampling) if k
+                        else np.zeros(0, dtype=np.int32)))
+            r += k
+        return res
 
 
 def rt_forward(rt, batch: Batch, hidden: np.ndarray | None, want_rows):
