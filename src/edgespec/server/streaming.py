@@ -176,12 +176,16 @@ class Completions:
                 raise _BadRequest(str(exc), "spec") from None
             args["spec"] = req.spec
         tokens = self._prompt_tokens(req)
-        room = self.ring.n_ctx - len(tokens)
+        # A request gets one slot's share of the context (all of it with one slot).
+        n_ctx = int(getattr(self.ring, "slot_ctx", self.ring.n_ctx))
+        room = n_ctx - len(tokens)
         if args["max_tokens"] is None:
             args["max_tokens"] = room if chat else min(COMPLETIONS_DEFAULT_MAX_TOKENS, room)
         if room < 1 or args["max_tokens"] > room:
             raise _BadRequest(
-                f"this model's context is {self.ring.n_ctx} tokens; the prompt has {len(tokens)} "
+                f"this model's context is {n_ctx} tokens"
+                + (f" per request ({self.ring.n_ctx} shared by {self.gate.parallel} slots)"
+                   if n_ctx != self.ring.n_ctx else "") + f"; the prompt has {len(tokens)} "
                 f"and max_tokens asks for {args['max_tokens']} more",
                 "messages" if chat else "prompt", code="context_length_exceeded")
         return req, args, tokens
