@@ -5,9 +5,11 @@
 ...     print(out.text, out.stats.tokens_per_s)
 
 A ``Ring`` is the head: it owns the tokenizer and chat template (from llama.cpp), the
-drafters and the speculative engine, and drives a chain of stages (local, or on nodes). One
-ring serves one conversation at a time; its KV cache is reused across calls, so a prompt that
-extends the previous one (a chat's next turn) only prefills its new tokens.
+drafters and the speculative engine, and drives a chain of stages (local, or on nodes). A
+ring serves ``parallel`` requests at once (default 1: one at a time, others wait their turn),
+each in a slot of its own (``edgespec.head.slots``): its own range of KV sequences, engine and
+committed history. The KV cache is reused across calls, so a prompt that extends a slot's
+history (a chat's next turn) only prefills its new tokens.
 
 A bad request raises ``RequestError`` before anything is sent. The failures of the ring under
 a generation are its ``edgespec.head.session.Session``'s: a stage that fails this request
@@ -21,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +34,7 @@ from edgespec.errors import RequestError
 from edgespec.head.chain import Chain
 from edgespec.head.engine import GenerationStats, SpecEngine
 from edgespec.head.session import Session
+from edgespec.head.slots import SlotPool, slot_width
 
 log = logging.getLogger("edgespec")
 
@@ -95,31 +99,66 @@ class Ring:
     def __init__(self, chain: Chain, tokenizer, *, model_name: str, spec: SpecMode = "auto",
                  drafter_factory: Callable[[], Any] | None = None, n_ctx: int = 4096,
                  on_close: Callable[[], None] | None = None, engine_options: Mapping[str, Any]
-                 | None = None, recover: Callable[[Exception], Chain] | None = None) -> None:
+                 | None = None, recover: Callable[[Exception], Chain] | None = None,
+                 parallel: int = 1, max_queue: int | None = None) -> None:
+        """``parallel``: requests served at once (slots; each gets ``n_ctx // parallel`` of
+        the context, as llama-server divides it). ``max_queue``: requests that may wait for
+        a slot (None: any number); one more is refused with ``RingBusy`` at once."""
+        if isinstance(parallel, bool) or not isinstance(parallel, int):
+            raise ValueError(f"parallel must be an integer, got {parallel!r}")
+        width = slot_width(parallel)
+        if max_queue is not None and max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {max_queue}")
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.default_spec = spec
         self.n_ctx = n_ctx
+        self.slot_ctx = n_ctx // parallel  # the context of one slot
         self._on_close = on_close
-        self._lock = threading.Lock()
-        self._drafter = drafter_factory() if drafter_factory is not None else None
-        self.engine = SpecEngine(chain, drafter=self._drafter, n_ctx=n_ctx,
-                                 is_eog=tokenizer.is_eog, **dict(engine_options or {}))
+        self._drafters: list[Any] = []
+        options = dict(engine_options or {})
+        if parallel > 1:
+            options["max_seqs"] = width - 1  # a slot's tree seqs (edgespec.head.slots)
+
+        def make_engine(ch: Chain, _index: int) -> SpecEngine:
+            drafter = drafter_factory() if drafter_factory is not None else None
+            if drafter is not None:
+                self._drafters.append(drafter)
+            return SpecEngine(ch, drafter=drafter, n_ctx=self.slot_ctx,
+                              is_eog=tokenizer.is_eog, **options)
+
+        # Each slot's session owns the failures of its generations (retries, resync,
+        # replay); the pool shares one ring rebuild between the slots.
+        self.pool = SlotPool(chain, make_engine, Session, parallel=parallel,
+                             max_queue=max_queue, recover=recover)
+        self._drafter = self._drafters[0] if self._drafters else None
+        self.engine = self.pool.slots[0].engine  # slot 0's (the only one when parallel=1)
+        self.session = self.pool.slots[0].session
         self.last: Generation | None = None
-        # Owns the chain and the failures of every generation (retries, resync, replay).
-        self.session = Session(chain, self.engine, recover)
+        self._last_slot = self.pool.slots[0]
         self.local_nodes: Any = None  # set by Ring.local: its node processes
         self.draft_name: str | None = None  # the draft model's file name, if any
 
     @property
+    def parallel(self) -> int:
+        """Requests served at once (slots)."""
+        return self.pool.parallel
+
+    def slots(self) -> list[dict[str, Any]]:
+        """One entry per slot: ``slot``, ``state`` ("busy"/"free"), ``tokens`` (generated by
+        its current or last request), ``tokens_per_s`` (that request's decode speed),
+        ``prompt_tokens`` and ``history_tokens`` (committed tokens it holds)."""
+        return [s.info() for s in self.pool.slots]
+
+    @property
     def chain(self) -> Chain:
         """The chain in force (a new one after the ring was re-formed)."""
-        return self.session.chain
+        return self.pool.current_chain
 
     @property
     def recovery_log(self) -> list[dict[str, Any]]:
         """One entry per ring rebuild: the error, seconds taken, stages after."""
-        return self.session.recovery_log
+        return self.pool.recovery_log
 
     # ---------------------------------------------------------------- construction
 
@@ -202,11 +241,13 @@ class Ring:
             self.engine.resolve_mode(mode)
         except ValueError as e:
             raise RequestError(str(e), "spec") from None
-        room = self.n_ctx - len(prompt_tokens)
+        room = self.slot_ctx - len(prompt_tokens)
         if room < 1:
+            each = (f" ({self.slot_ctx} per slot of {self.parallel})"
+                    if self.parallel > 1 else "")
             raise RequestError(f"the prompt has {len(prompt_tokens)} tokens but the ring's "
-                               f"context is {self.n_ctx}: shorten it, or bring the ring up "
-                               f"with a larger --ctx", "prompt")
+                               f"context is {self.n_ctx}{each}: shorten it, or bring the "
+                               f"ring up with a larger --ctx", "prompt")
         return Sampling(temperature=temperature, top_k=top_k, top_p=top_p,
                         seed=seed), min(max_tokens, room)
 
@@ -221,21 +262,27 @@ class Ring:
         capped = max_tokens if max_tokens != asked else None
         if capped is not None:
             log.info("max_tokens %d capped to %d: the context (%d) has no more room after the "
-                     "prompt (%d tokens)", asked, capped, self.n_ctx, len(prompt_tokens))
+                     "prompt (%d tokens)", asked, capped, self.slot_ctx, len(prompt_tokens))
         stops = [s for s in stop if s]
         holdback = max((len(s) for s in stops), default=1) - 1
         stream = TextStream(iter(()))
 
         def pieces() -> Iterator[str]:
-            with self._lock:
+            t_start = time.perf_counter()
+            with self.pool.acquire(prompt_tokens) as slot:
+                queued = time.perf_counter() - t_start
+                engine = slot.engine
                 detok = _Detok(self.tokenizer)
                 text = ""
                 emitted = 0
                 tokens: list[int] = []
                 finish = "length"
                 done = False
-                chunks = self.session.tokens(prompt_tokens, max_tokens=max_tokens,
-                                             sampling=sampling, mode=mode, cancel=cancel)
+                slot.prompt_tokens = len(prompt_tokens)
+                slot.requests += 1
+                chunks = slot.session.tokens(prompt_tokens, max_tokens=max_tokens,
+                                             sampling=sampling, mode=mode, cancel=cancel,
+                                             t_start=t_start)
                 try:
                     for chunk in chunks:
                         for t in chunk:
@@ -260,12 +307,17 @@ class Ring:
                             emitted = safe
                 finally:
                     chunks.close()  # statistics now cover every ring the generation ran on
+                    slot.tokens = engine.stats.tokens
+                    slot.tokens_per_s = engine.stats.tokens_per_s
                 if len(text) > emitted:
                     yield text[emitted:]
-                stats = self.engine.stats
+                stats = engine.stats
                 stats.tokens = len(tokens)
+                stats.queue_ms = queued * 1e3
+                slot.tokens = len(tokens)
                 stream.result = Generation(text, tokens, stats, finish, capped)
                 self.last = stream.result
+                self._last_slot = slot
 
         stream._pieces = pieces()
         return stream
@@ -313,22 +365,25 @@ class Ring:
 
     @property
     def history(self) -> list[int]:
-        """Token ids currently committed in the ring's KV cache."""
-        return list(self.engine.history)
+        """Token ids committed in the ring's KV cache by the slot of the last request."""
+        return list(self._last_slot.engine.history)
 
     def reset(self) -> None:
-        """Forget the conversation: clear every stage's KV cache."""
-        with self._lock:
-            self.engine.reset()
+        """Forget the conversations: clear every slot's KV sequences on every stage (each
+        slot once the request it serves is done)."""
+        for i in range(self.parallel):
+            with self.pool.acquire((), index=i) as slot:
+                slot.engine.reset()
 
     # ---------------------------------------------------------------- lifetime
 
     def close(self) -> None:
         """Release the drafter, the chain and (for a local ring) its node processes."""
         try:
-            if self._drafter is not None and hasattr(self._drafter, "close"):
-                self._drafter.close()
-            self.chain.close()
+            for drafter in self._drafters:
+                if hasattr(drafter, "close"):
+                    drafter.close()
+            self.pool.close()
         finally:
             if self._on_close is not None:
                 cb, self._on_close = self._on_close, None
@@ -369,11 +424,13 @@ class Ring:
         (``rows``: node, parent, token), partial verification (``verify``: accepted path,
         rejected rows), a step's decision (``decide``: path, bonus token) and plain one-token
         laps (``plain``). ``fn`` must be quick; with no listener no event is built."""
-        self.engine.listeners.append(fn)
+        for slot in self.pool.slots:
+            slot.engine.listeners.append(fn)
 
     def remove_listener(self, fn: Callable[[dict], None]) -> None:
-        with contextlib.suppress(ValueError):
-            self.engine.listeners.remove(fn)
+        for slot in self.pool.slots:
+            with contextlib.suppress(ValueError):
+                slot.engine.listeners.remove(fn)
 
 
 def _drafter_name(drafter: Any) -> str | None:

@@ -26,10 +26,13 @@ log = logging.getLogger("edgespec.ring")
 
 def build_head(cls, chain: Any, model: Path, *, spec: str = "auto", draft=None,
                drafter: str = "auto", n_ctx: int = 4096, on_close=None, recover=None,
-               draft_quant: str = "q4_0", tok_model=None, **engine: Any):
+               draft_quant: str = "q4_0", tok_model=None, parallel: int = 1,
+               max_queue: int | None = None, **engine: Any):
     """The head (a ``cls``, i.e. ``Ring``) over ``chain``: the model's tokenizer, the drafter
     and the engine settings ``engine``. ``tok_model``: the vocab-only model when the caller
-    loaded it already (it is closed with the head either way)."""
+    loaded it already (it is closed with the head either way). ``parallel`` / ``max_queue``:
+    slots and waiting requests (``edgespec.head.slots``); every slot drafts with a drafter of
+    its own (a draft model is loaded once per slot)."""
     from edgespec.llm.llamacpp import load_model
     from edgespec.llm.tokenizer import Tokenizer
 
@@ -48,9 +51,24 @@ def build_head(cls, chain: Any, model: Path, *, spec: str = "auto", draft=None,
         if on_close is not None:
             on_close()
 
-    ring = cls(chain, Tokenizer(tok_model), model_name=Path(model).stem, spec=spec,
-               drafter_factory=lambda: drafter_obj, n_ctx=n_ctx, on_close=close,
-               engine_options=engine, recover=recover)
+    made = [drafter_obj]
+
+    def drafter_factory():
+        # The first slot takes the drafter made above; each further slot a new one.
+        return made.pop() if made else make_drafter(model, draft, drafter, draft_quant)
+
+    try:
+        ring = cls(chain, Tokenizer(tok_model), model_name=Path(model).stem, spec=spec,
+                   drafter_factory=drafter_factory, n_ctx=n_ctx, on_close=close,
+                   engine_options=engine, recover=recover, parallel=parallel,
+                   max_queue=max_queue)
+    except BaseException:
+        for d in made:
+            with contextlib.suppress(Exception):
+                d.close()
+        if own:
+            tok_model.close()
+        raise
     ring.draft_name = Path(draft).name if draft is not None else None
     return ring
 

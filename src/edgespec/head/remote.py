@@ -215,9 +215,10 @@ class RemoteChain:
         self._first = members[plan.windows[0].node]
         self._results = members[0].results  # shared by all members
         self.bytes_sent = 0
-        # Laps this head put into the ring. A stage reports a failed batch to the head of the
-        # ring; one that some other member sent is logged here, not raised into a generation.
-        self._laps: collections.deque[int] = collections.deque(maxlen=256)
+        # Laps this head put into the ring (those of every slot). A stage reports a failed
+        # batch to the head of the ring; one that some other member sent is logged here, not
+        # raised into a generation.
+        self._laps: collections.deque[int] = collections.deque(maxlen=1024)
         # Laps given up by ``abandon``: their results and errors are dropped on arrival.
         self._abandoned: collections.deque[int] = collections.deque(maxlen=1024)
         self._kv_lap = secrets.randbits(30) | (1 << 30)

@@ -42,18 +42,20 @@ class Session:
         self.recovery_log: list[dict[str, Any]] = []  # one entry per ring rebuild
 
     def tokens(self, prompt_tokens: list[int], *, max_tokens: int, sampling: Sampling,
-               mode: str, cancel: threading.Event | None = None) -> Iterator[list[int]]:
+               mode: str, cancel: threading.Event | None = None,
+               t_start: float | None = None) -> Iterator[list[int]]:
         """The accepted tokens of one generation, chunk by chunk, across ring rebuilds.
 
         Close the iterator when done with it (also when stopping early): the engine's
-        statistics then cover every ring the generation ran on."""
+        statistics then cover every ring the generation ran on. ``t_start``: when the request
+        began (``time.perf_counter``), for the time to first token."""
         tokens: list[int] = []
         previous = None
         try:
             while True:
                 run = self.engine.run(prompt_tokens + tokens, max_tokens=max_tokens - len(tokens),
                                       sampling=sampling, mode=mode, cancel=cancel,
-                                      replay=len(tokens))
+                                      replay=len(tokens), t_start=t_start)
                 try:
                     for chunk in run:
                         tokens.extend(chunk)

@@ -15,7 +15,14 @@ from edgespec.batch import Batch, Sampling, SeqIds
 class NoneMode:
     """Mode ``none``: pipelined autoregressive decoding, one token per lap (the baseline), and the"""
 
-    def _steps_none(self, root: int, sampling: Sampling) -> Iterator[list[int]]:
+    def _steps_none(self, root: int, sampling: Sampling, first: int | None = None
+                    ) -> Iterator[list[int]]:
+        """``first``: the token the prefill lap already brought (``root`` is committed then)."""
+        if first is not None:
+            self.stats.steps += 1
+            self.stats.accepted_hist[1] += 1
+            root = first
+            yield [first]
         while True:
             gained = self._plain_step(root, sampling, tell_drafter=False)
             root = gained[-1]

@@ -63,8 +63,11 @@ class SpecEngine(NoneMode, SyncMode, FlowMode):
     def __init__(self, chain: Chain, *, drafter: Drafter | None = None, n_ctx: int = 4096,
                  is_eog: Callable[[int], bool] = lambda t: False, budget: int | None = None,
                  max_depth: int = 12, segments: int | None = None, prefill_chunk: int = 256,
-                 cost: CostModel | None = None) -> None:
+                 cost: CostModel | None = None, max_seqs: int = core.MAX_SEQS) -> None:
         self.chain = chain
+        # Tree leaves at most (each owns a seq id 1..max_seqs): a slot of a ring serving
+        # several sequences owns fewer seq ids (edgespec.head.slots).
+        self.max_seqs = max_seqs
         self.drafter = drafter
         self.n_ctx = n_ctx
         self.is_eog = is_eog
@@ -117,13 +120,18 @@ class SpecEngine(NoneMode, SyncMode, FlowMode):
 
     def run(self, prompt: Sequence[int], *, max_tokens: int, sampling: Sampling,
             mode: str = "auto", cancel: threading.Event | None = None,
-            replay: int = 0) -> Iterator[list[int]]:
+            replay: int = 0, t_start: float | None = None) -> Iterator[list[int]]:
         """Generate after ``prompt``; yields the tokens gained by each step, in order.
 
         Stops after an end-of-generation token (which is yielded), ``max_tokens`` tokens, or
         at the next step once ``cancel`` is set. ``replay``: the last ``replay`` tokens before
         the prompt's last one are recomputed one per batch, as they were first decoded, so a
         generation resumed on a rebuilt ring sees the same numbers as the original.
+        ``t_start``: when the request began (``time.perf_counter``), for the time to first
+        token (default: now).
+
+        In mode ``none`` the prompt's last token rides in the last prefill chunk, its row
+        wanted: the first token comes back with the prefill, one lap sooner.
         """
         prompt = [int(t) for t in prompt]
         if not prompt:
@@ -135,7 +143,15 @@ class SpecEngine(NoneMode, SyncMode, FlowMode):
         self.stats = GenerationStats(mode=mode, prompt_tokens=len(prompt))
         self.gain.begin()
         t0 = time.perf_counter()
-        root = self._prefill(prompt, singles=replay)
+        t_start = t0 if t_start is None else t_start
+        first = None
+        if mode == "none":
+            # A replayed generation's first token came from its prefill lap too: the tokens
+            # decoded since go one per batch, as they were decoded (see ``replay``).
+            root, first = self._prefill(prompt, singles=max(0, replay - 1), want_root=True,
+                                        sampling=sampling, root_alone=replay > 0)
+        else:
+            root, _ = self._prefill(prompt, singles=replay)
         self.stats.prefill_s = time.perf_counter() - t0
         if self.drafter is not None and mode != "none":
             td = time.perf_counter()
@@ -145,14 +161,18 @@ class SpecEngine(NoneMode, SyncMode, FlowMode):
         produced = 0
         self._room = max_tokens  # tokens the caller still wants (flow stops expanding past it)
         failed = False
-        steps = {"none": self._steps_none, "sync": self._steps_sync,
-                  "flow": self._steps_flow}[mode](root, sampling)
+        if mode == "none":
+            steps = self._steps_none(root, sampling, first)
+        else:
+            steps = {"sync": self._steps_sync, "flow": self._steps_flow}[mode](root, sampling)
         try:
             for chunk in steps:
                 chunk = chunk[: max_tokens - produced]
                 eog = next((i for i, t in enumerate(chunk) if self.is_eog(t)), None)
                 if eog is not None:
                     chunk = chunk[: eog + 1]
+                if produced == 0 and chunk:
+                    self.stats.ttft_ms = (time.perf_counter() - t_start) * 1e3
                 produced += len(chunk)
                 self._room = max_tokens - produced
                 self.stats.tokens = produced
@@ -177,10 +197,17 @@ class SpecEngine(NoneMode, SyncMode, FlowMode):
 
     # ------------------------------------------------------------------ prefill
 
-    def _prefill(self, prompt: list[int], singles: int = 0) -> int:
+    def _prefill(self, prompt: list[int], singles: int = 0, want_root: bool = False,
+                 sampling: Sampling | None = None, root_alone: bool = False
+                 ) -> tuple[int, int | None]:
         """Bring KV sequence 0 to ``prompt[:-1]``, reusing the longest common prefix with what
-        is already committed; returns the root (the last prompt token, not yet in KV). The
-        last ``singles`` tokens go one per batch (see ``run``'s ``replay``)."""
+        is already committed; returns the root (the last prompt token) and None. The last
+        ``singles`` tokens before the root go one per batch (see ``run``'s ``replay``).
+
+        ``want_root``: the root rides in the last chunk too, its row wanted (drawn with
+        ``sampling``): it is committed and the target's token after it is returned as the
+        second value (mode ``none``: the first token without a lap of its own);
+        ``root_alone``: in a batch of its own (a replay: it was decoded so)."""
         keep = 0
         limit = min(len(self.history), len(prompt) - 1)
         while keep < limit and self.history[keep] == prompt[keep]:
@@ -194,19 +221,36 @@ class SpecEngine(NoneMode, SyncMode, FlowMode):
         chunks = [todo[off: min(off + self.prefill_chunk, n_bulk)]
                   for off in range(0, n_bulk, self.prefill_chunk)]
         chunks += [[t] for t in todo[n_bulk:]]
+        if want_root:
+            if (not root_alone and chunks and n_bulk == len(todo)
+                    and len(chunks[-1]) < self.prefill_chunk):
+                chunks[-1] = [*chunks[-1], prompt[-1]]
+            else:
+                chunks.append([prompt[-1]])
         start = keep
-        for part in chunks:
+        for i, part in enumerate(chunks):
             n = len(part)
             pos = np.arange(start, start + n, dtype=np.int32)
             start += n
-            # No row is wanted: prefill only fills KV. Chunks stream back to back through the
-            # stages, so a long prompt is pipelined across the ring.
+            # No row is wanted (but the root's, see want_root): prefill only fills KV.
+            # Chunks stream back to back through the stages, so a long prompt is pipelined
+            # across the ring.
+            want = np.zeros(n, bool)
+            last = want_root and i == len(chunks) - 1
+            if last:
+                want[-1] = True
             self._submit(Batch(np.array(part, np.int32), pos, SeqIds.single(n),
-                               np.arange(n, dtype=np.int32), np.zeros(n, bool), lap=self._new_lap()))
+                               np.arange(n, dtype=np.int32), want, lap=self._new_lap(),
+                               sampling=sampling if last and sampling else Sampling()))
+        res = None
         for _ in chunks:
-            self.chain.next_result()
+            res = self.chain.next_result()
         self.history.extend(todo)
-        return prompt[-1]
+        if not want_root:
+            return prompt[-1], None
+        assert res is not None and len(res.targets) == 1
+        self.history.append(prompt[-1])
+        return prompt[-1], int(res.targets[0])
 
     # ------------------------------------------------------------------ helpers
 
@@ -265,7 +309,7 @@ class SpecEngine(NoneMode, SyncMode, FlowMode):
 
     def _new_tree(self, root: int, sampling: Sampling, budget: int) -> TreeInFlight:
         assert self.drafter is not None
-        tree = core.TokenTree(root, len(self.history))
+        tree = core.TokenTree(root, len(self.history), self.max_seqs)
         td = time.perf_counter()
         dt = self.drafter.propose(root, budget, self.max_depth)
         spent = time.perf_counter() - td

@@ -33,6 +33,10 @@ class GenerationStats:
     # decode_s (in mode none) is the head's own work per token: engine, API, caller.
     plain_wait_s: float = 0.0
     lap_timing: LapTimes = field(default_factory=LapTimes)  # docs/design.md 8.1
+    # Time to first token: from the request's start (its wait for a slot included) to its
+    # first token; None until one came. queue_ms: of that, the wait for a free slot.
+    ttft_ms: float | None = None
+    queue_ms: float = 0.0
 
     def merged(self, earlier: GenerationStats | None) -> GenerationStats:
         """These statistics with an earlier part of the same generation added in."""
@@ -41,6 +45,9 @@ class GenerationStats:
         out = GenerationStats(**{**self.__dict__, "accepted_hist": Counter(self.accepted_hist)})
         out.accepted_hist.update(earlier.accepted_hist)
         out.prompt_tokens = earlier.prompt_tokens
+        if earlier.ttft_ms is not None:
+            out.ttft_ms = earlier.ttft_ms
+        out.queue_ms = earlier.queue_ms
         for name in ("prefill_tokens", "laps", "steps", "draft_s", "prefill_s", "decode_s",
                      "rows_sent", "rows_pruned", "recoveries", "plain_steps", "probes",
                      "plain_wait_s"):
@@ -73,4 +80,6 @@ class GenerationStats:
             "plain_lap_ms": round(self.plain_wait_s * 1e3 / self.plain_steps, 2)
             if self.plain_steps else None,
             "lap_timing": self.lap_timing.as_dict(),
+            "ttft_ms": round(self.ttft_ms, 2) if self.ttft_ms is not None else None,
+            "queue_ms": round(self.queue_ms, 2),
         }

@@ -1,0 +1,411 @@
+"""Slots: one ring serving ``S`` sequences at once (issue 15; docs/design.md 3, "KV
+discipline", holds per slot).
+
+The nodes' contexts hold ``n_seq_max = 256`` llama.cpp sequences (``edgespec.head.formation``).
+With ``parallel=S`` slot ``i`` owns the seq ids ``[i*W, (i+1)*W)``, ``W = 256 // S``: seq
+``i*W`` is its committed history (the engine's "sequence 0"), the rest its tree seqs (its
+trees have at most ``W - 1`` leaves). Each slot has its own engine (``SpecEngine``), written
+for seq ids ``0..W-1`` as if it had the ring to itself; a ``SlotChain`` between the engine and
+the shared chain
+
+- shifts the seq ids of its batches and KV operations into the slot's range; "clear every
+  sequence" and ``KEEP(s)`` become ``RM`` of the slot's own seqs (never another slot's);
+- routes results back: the shared chain's ``next_result`` is read by whichever slot asks
+  first (``Demux``: one reader at a time), and answers for other slots' laps go to their
+  queues; a lost node (``NodeLost``) goes to every slot;
+- ``abandon()`` gives up only its own laps.
+
+``SlotPool`` hands slots to requests: the free slot whose committed history shares the
+longest prefix with the prompt (a conversation's next turn computes only its new tokens),
+else the least recently used free one; up to ``max_queue`` requests wait in FIFO order,
+beyond that ``RingBusy`` at once. Each generation runs in its caller's thread, so S callers
+drive S engines at once and their batches interleave around the ring. After a lost node one
+rebuild serves every slot (``SlotPool.recover_slot``).
+
+``parallel=1`` uses none of this machinery: the one engine drives the chain itself.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from edgespec.batch import Batch, Result
+from edgespec.errors import NodeLost, RingBusy
+from edgespec.head.chain import Chain
+from edgespec.tree.kvop import KvOp, KvOpCode
+from edgespec.wire.transport import TransportError
+
+log = logging.getLogger("edgespec.ring")
+
+#: llama.cpp sequences of every stage's context (edgespec.head.formation's n_seq_max).
+N_SEQ = 256
+#: Laps remembered per demux for routing (older ones are long answered).
+OWNED_LAPS = 8192
+
+
+def slot_width(parallel: int) -> int:
+    """Seq ids per slot (the committed one and its tree seqs)."""
+    if not 1 <= parallel <= N_SEQ // 2:
+        raise ValueError(f"parallel must be in 1..{N_SEQ // 2}, got {parallel}")
+    return N_SEQ // parallel
+
+
+class Demux:
+    """One shared chain and the slot chains over it: one reader of its results at a time,
+    each answer routed to the slot whose lap it is."""
+
+    def __init__(self, chain: Chain) -> None:
+        self.chain = chain
+        self.cond = threading.Condition()
+        self.reading = False
+        self.owner: collections.OrderedDict[int, SlotChain] = collections.OrderedDict()
+        self.slots: list[SlotChain] = []
+
+    def own(self, lap: int, slot: SlotChain) -> None:
+        with self.cond:
+            self.owner[lap] = slot
+            self.owner.move_to_end(lap)
+            while len(self.owner) > OWNED_LAPS:
+                self.owner.popitem(last=False)
+
+    def route(self, item: Any, reader: SlotChain) -> None:
+        """Called holding ``cond``: hand ``item`` to the slot(s) it concerns."""
+        if isinstance(item, Exception):
+            lap = getattr(item, "lap", None)
+            slot = self.owner.get(lap) if lap is not None else None
+            if slot is not None:
+                slot.inbox.append(item)
+            elif isinstance(item, NodeLost):
+                for s in self.slots:  # the ring is broken under every slot
+                    s.inbox.append(item)
+            else:
+                reader.inbox.append(item)
+            return
+        slot = self.owner.get(item.lap)
+        if slot is not None:
+            slot.inbox.append(item)
+        else:
+            log.debug("dropping a result for lap %d: no slot waits for it", item.lap)
+
+
+class SlotChain:
+    """The ``Chain`` (``edgespec.head.chain``) one slot's engine drives: the shared chain,
+    seen through the slot's range of seq ids (see the module docstring)."""
+
+    def __init__(self, demux: Demux, index: int, width: int) -> None:
+        self.demux = demux
+        self.index = index
+        self.width = width
+        self.base = index * width
+        self.inbox: collections.deque[Result | Exception] = collections.deque()
+        self._laps: set[int] = set()
+        # Highest local seq that may hold KV: KEEP/clear remove only up to it. Unknown at
+        # first (an earlier head may have left anything): the whole range.
+        self._top = width - 1
+        demux.slots.append(self)
+
+    @property
+    def n_vocab(self) -> int:
+        return self.demux.chain.n_vocab
+
+    @property
+    def n_stages(self) -> int:
+        return self.demux.chain.n_stages
+
+    # ------------------------------------------------------------ seq ids
+
+    def _rm_all(self, keep: int | None, p0: int = -1, p1: int = -1) -> list[KvOp]:
+        return [KvOp(KvOpCode.RM, self.base + s, p0, p1)
+                for s in range(self._top + 1) if s != keep]
+
+    def _ops(self, ops: Iterable[KvOp]) -> list[KvOp]:
+        out: list[KvOp] = []
+        for op in ops:
+            code, seq = op.code, op.seq
+            if seq < 0:  # every sequence: every sequence of this slot
+                if code == KvOpCode.RM:
+                    out += self._rm_all(None, op.p0, op.p1)
+                    continue
+                raise ValueError(f"slot chain: {code.name} of every sequence is not "
+                                 f"supported")
+            if seq >= self.width:
+                raise ValueError(f"slot {self.index}: seq {seq} outside its {self.width}")
+            if code == KvOpCode.KEEP:
+                out += self._rm_all(seq)
+                self._top = seq
+            elif code == KvOpCode.CP:
+                if not 0 <= op.arg < self.width:
+                    raise ValueError(f"slot {self.index}: seq {op.arg} outside its "
+                                     f"{self.width}")
+                self._top = max(self._top, op.arg)
+                out.append(KvOp(code, self.base + seq, op.p0, op.p1, self.base + op.arg))
+            else:
+                out.append(KvOp(code, self.base + seq, op.p0, op.p1, op.arg))
+        return out
+
+    # ------------------------------------------------------------ the Chain protocol
+
+    def submit(self, batch: Batch) -> None:
+        sid = batch.seq_ids
+        top = sid.max_id()
+        if top >= self.width:
+            raise ValueError(f"slot {self.index}: seq {top} outside its {self.width}")
+        self._top = max(self._top, top)
+        moved = type(sid)._of(sid.ids + self.base, sid.counts) if self.base else sid
+        out = Batch(batch.tokens, batch.pos, moved, batch.nodes, batch.want, batch.lap,
+                    batch.segment, self._ops(batch.pre_ops), batch.sampling, batch.timing)
+        self._laps.add(batch.lap)
+        self.demux.own(batch.lap, self)
+        try:
+            self.demux.chain.submit(out)
+        except TransportError as e:  # another slot closed it for a rebuild, or it broke
+            raise NodeLost(f"the ring's chain is gone: {e}") from e
+
+    def kv(self, ops: Sequence[KvOp]) -> None:
+        mapped = self._ops(ops)
+        if mapped:
+            try:
+                self.demux.chain.kv(mapped)
+            except TransportError as e:
+                raise NodeLost(f"the ring's chain is gone: {e}") from e
+
+    def prune(self, nodes: Iterable[int], ops: Sequence[KvOp] = (), lap: int = 0) -> None:
+        self.demux.chain.prune(nodes, self._ops(ops), lap=lap)
+
+    def has_result(self) -> bool:
+        d = self.demux
+        with d.cond:
+            if self.inbox:
+                return True
+            if d.reading or not d.chain.has_result():
+                return False
+            d.reading = True
+        # Something is waiting in the shared chain: read it (without the lock) and route it.
+        try:
+            item: Any = d.chain.next_result()
+        except Exception as e:  # routed like any answer
+            item = e
+        with d.cond:
+            d.reading = False
+            d.route(item, self)
+            d.cond.notify_all()
+            return bool(self.inbox)
+
+    def next_result(self, timeout: float | None = None) -> Result:
+        d = self.demux
+        while True:
+            with d.cond:
+                while not self.inbox and d.reading:
+                    d.cond.wait()
+                if self.inbox:
+                    item = self.inbox.popleft()
+                    if isinstance(item, Exception):
+                        raise item
+                    return item
+                d.reading = True
+            # The reader: wait on the shared chain without the lock, so others may submit.
+            try:
+                got: Any = (d.chain.next_result() if timeout is None
+                            else d.chain.next_result(timeout))
+            except Exception as e:
+                got = e
+            with d.cond:
+                d.reading = False
+                d.route(got, self)
+                d.cond.notify_all()
+
+    def abandon(self) -> None:
+        """Give up on this slot's laps in flight: their answers are dropped on arrival."""
+        d = self.demux
+        with d.cond:
+            for lap in self._laps:
+                if d.owner.get(lap) is self:
+                    del d.owner[lap]
+            self._laps.clear()
+            self.inbox.clear()
+
+    def forget_done(self) -> None:
+        """Between requests: nothing of this slot is in flight any more (a lost node's
+        notice stays: the next request must learn of it)."""
+        with self.demux.cond:
+            self._laps.clear()
+            kept = [e for e in self.inbox if isinstance(e, NodeLost)]
+            self.inbox.clear()
+            self.inbox.extend(kept)
+
+    def close(self) -> None:
+        self.abandon()  # the shared chain is the pool's to close
+
+
+@dataclass
+class Slot:
+    """One of the ring's S concurrent sequences: its engine, session and bookkeeping."""
+
+    index: int
+    engine: Any  # SpecEngine
+    session: Any  # Session
+    epoch: int = 0
+    busy: bool = False
+    last_used: float = 0.0
+    prompt_tokens: int = 0
+    tokens: int = 0
+    tokens_per_s: float = 0.0
+    requests: int = 0
+
+    def info(self) -> dict[str, Any]:
+        busy = self.busy
+        stats = self.engine.stats
+        tokens = stats.tokens if busy else self.tokens
+        speed = stats.tokens_per_s if busy else self.tokens_per_s
+        return {"slot": self.index, "state": "busy" if busy else "free", "tokens": tokens,
+                "tokens_per_s": round(speed, 3), "prompt_tokens": self.prompt_tokens,
+                "history_tokens": len(self.engine.history)}
+
+
+class SlotPool:
+    """S slots over one chain: admission (FIFO, bounded), slot choice, and the one rebuild
+    of the ring that every slot shares after a node loss."""
+
+    def __init__(self, chain: Chain, make_engine: Callable[[Chain, int], Any],
+                 make_session: Callable[[Chain, Any, Callable | None], Any], *,
+                 parallel: int = 1, max_queue: int | None = None,
+                 recover: Callable[[Exception], Chain] | None = None) -> None:
+        self.parallel = parallel
+        self.width = slot_width(parallel)
+        self.max_queue = max_queue
+        self.chain = chain
+        self._recover = recover
+        self.epoch = 0
+        self.recovery_log: list[dict[str, Any]] = []
+        self._recover_lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._waiting: collections.deque[object] = collections.deque()
+        self.slots: list[Slot] = []
+        if parallel == 1:
+            # Today's path exactly: the engine drives the chain, its session recovers it.
+            engine = make_engine(chain, 0)
+            session = make_session(chain, engine, recover)
+            self.recovery_log = session.recovery_log
+            self.slots.append(Slot(0, engine, session))
+            self.demux = None
+            return
+        self.demux = Demux(chain)
+        for i in range(parallel):
+            sc = SlotChain(self.demux, i, self.width)
+            engine = make_engine(sc, i)
+            # Lap ids of different slots never meet (the demux routes by lap).
+            engine._lap = (engine._lap + i * (1 << 26)) & 0x7FFFFFFF
+            slot = Slot(i, engine, None)
+            slot.session = make_session(
+                sc, engine, (lambda exc, s=slot: self.recover_slot(s, exc))
+                if recover is not None else None)
+            self.slots.append(slot)
+
+    # ------------------------------------------------------------ admission
+
+    def _choose(self, prompt: Sequence[int]) -> Slot | None:
+        free = [s for s in self.slots if not s.busy]
+        if not free:
+            return None
+
+        def shared(s: Slot) -> int:
+            h = s.engine.history
+            n = min(len(h), len(prompt) - 1)
+            k = 0
+            while k < n and h[k] == prompt[k]:
+                k += 1
+            return k
+
+        return max(free, key=lambda s: (shared(s), -s.last_used))
+
+    @contextlib.contextmanager
+    def acquire(self, prompt: Sequence[int], index: int | None = None) -> Iterator[Slot]:
+        """A slot for a request on ``prompt`` (or the slot ``index``), held for the block.
+        Waits in FIFO order while every slot is busy; ``RingBusy`` at once when
+        ``max_queue`` requests wait already (a request for a given slot always waits)."""
+        ticket = object()
+        with self._cond:
+            def pick() -> Slot | None:
+                if index is not None:
+                    s = self.slots[index]
+                    return None if s.busy else s
+                return self._choose(prompt)
+
+            if (index is None and (self._waiting or pick() is None)
+                    and self.max_queue is not None and len(self._waiting) >= self.max_queue):
+                raise RingBusy(f"all {self.parallel} slot(s) of the ring are busy and "
+                               f"{len(self._waiting)} request(s) wait already (max_queue "
+                               f"{self.max_queue}): try again later")
+            self._waiting.append(ticket)
+            try:
+                while True:
+                    slot = pick() if self._waiting[0] is ticket else None
+                    if slot is not None:
+                        break
+                    self._cond.wait()
+            finally:
+                self._waiting.remove(ticket)
+                self._cond.notify_all()
+            slot.busy = True
+        try:
+            self._refresh(slot)
+            yield slot
+        finally:
+            with self._cond:
+                slot.busy = False
+                slot.last_used = time.monotonic()
+                self._cond.notify_all()
+
+    def _refresh(self, slot: Slot) -> None:
+        """A slot that slept through a ring rebuild moves onto the new chain."""
+        if self.demux is None:
+            return
+        with self._recover_lock:
+            if slot.epoch != self.epoch:
+                slot.epoch = self.epoch
+                sc = SlotChain(self.demux, slot.index, self.width)
+                slot.session.chain = sc
+                slot.engine.replace_chain(sc)
+            else:
+                slot.session.chain.forget_done()
+
+    @property
+    def current_chain(self) -> Chain:
+        """The chain in force (a new one after a rebuild)."""
+        return self.slots[0].session.chain if self.demux is None else self.chain
+
+    def busy(self) -> int:
+        with self._cond:
+            return sum(s.busy for s in self.slots)
+
+    # ------------------------------------------------------------ recovery
+
+    def recover_slot(self, slot: Slot, exc: Exception) -> Chain:
+        """The chain ``slot`` goes on with after ``exc`` (a lost node): the ring is rebuilt
+        once, by the first slot to ask; the others find it rebuilt and move onto it."""
+        assert self._recover is not None and self.demux is not None
+        with self._recover_lock:
+            if slot.epoch == self.epoch:
+                t0 = time.perf_counter()
+                with contextlib.suppress(Exception):
+                    self.chain.close()
+                chain = self._recover(exc)  # NodeLost: the session retries with backoff
+                self.chain = chain
+                self.demux = Demux(chain)
+                self.epoch += 1
+                self.recovery_log.append({"error": str(exc),
+                                          "seconds": round(time.perf_counter() - t0, 3),
+                                          "stages": chain.n_stages})
+            slot.epoch = self.epoch
+            return SlotChain(self.demux, slot.index, self.width)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.current_chain.close()
