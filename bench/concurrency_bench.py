@@ -244,7 +244,8 @@ def project(curves: dict[str, Any], cells: list[dict[str, Any]], n_stages: int, 
                 "per lap as measured with 1 client (laps include prefill laps)",
                 "pipelined: in-flight sequences travel as separate batches (a stage serves "
                 "them one after another); merged: one batch per stage holds all their rows",
-                "flow's overlap of laps is not modelled (its lap counts as one sync step)"],
+                "flow's overlap of laps is not modelled (each of its laps counts as one sync "
+                "step), so its rows are a lower bound"],
             "overhead_ms_per_lap": round(overhead, 2), "rows": rows}
 
 

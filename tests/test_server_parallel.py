@@ -298,3 +298,16 @@ def test_ring_status_shows_the_slots_of_the_running_server(served, tmp_path, mon
         view = json.loads(capsys.readouterr().out)
         assert view["parallel"] == PARALLEL and len(view["slots"]) == PARALLEL
     assert running_server() is None  # the record goes with the server
+
+
+def test_stop_sequence_and_max_tokens_free_the_slot_as_the_answer_ends(served):
+    url, _port, _ring = served
+    # The ring releases the slot before the answer is handed over: once the reply is here,
+    # every slot is free again.
+    status, body = _post(url, {**LONG, "stop": [" 13,"]})
+    assert status == 200 and body["choices"][0]["finish_reason"] == "stop"
+    assert "13" not in body["choices"][0]["text"] and body["usage"]["completion_tokens"] < 40
+    assert _busy(_health(url)) == 0
+    status, body = _post(url, {**LONG, "max_tokens": 3})
+    assert status == 200 and body["choices"][0]["finish_reason"] == "length"
+    assert _busy(_health(url)) == 0
