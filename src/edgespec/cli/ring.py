@@ -65,18 +65,63 @@ def _fmt_gb(v) -> str:
     return f"{int(v) / 2**30:.1f}GB" if v else "-"
 
 
+def _server_health(args: argparse.Namespace) -> tuple[str | None, dict | None, str | None]:
+    """(URL, its /health, why not) of the `edgespec serve` holding the ring: --server, else
+    the one running on this host (its record); (None, None, None) when there is none."""
+    import os
+
+    from edgespec.cli.served import fetch_json, running_server
+
+    url = args.server or running_server()
+    if url is None:
+        return None, None, None
+    try:
+        return url, fetch_json(url, "/health", args.api_key
+                               or os.environ.get("EDGESPEC_API_KEY")), None
+    except Exception as e:  # the node rows are still worth printing
+        why = f"{type(e).__name__}: {e}"
+        if "401" in why:
+            why += " (give its key: --api-key or $EDGESPEC_API_KEY)"
+        return url, None, why
+
+
+def _print_slots(url: str | None, health: dict | None, why: str | None) -> None:
+    from edgespec.head.view import slot_lines
+
+    if url is None:
+        return
+    if health is None:
+        print(f"slots: the server at {url} did not answer: {why}")
+        return
+    slots = health.get("slots") or []
+    busy = sum(1 for s in slots if s.get("state") == "busy")
+    print(f"slots (edgespec serve at {url}): {health.get('parallel', len(slots))}, {busy} busy, "
+          f"{health.get('queued', 0)} queued")
+    for line in slot_lines(slots):
+        print("  " + line)
+
+
 def _ring_status(args: argparse.Namespace) -> int:
+    import json
+
+    from edgespec.errors import RingError
     from edgespec.head.state import load_state
     from edgespec.head.view import view_of_state
     from edgespec.holder import describe_holder
     from edgespec.wire.auth import load_key
 
-    state = load_state()
+    url, health, why = _server_health(args)
+    try:
+        state = load_state()
+    except RingError:
+        if health is None:
+            raise
+        return _served_ring_status(args, url, health, why)
     key = load_key(args.key_file or state.key_file)
     view = view_of_state(state, key)
+    if health is not None:  # only the head holding the ring knows its slots
+        view.parallel, view.slots = health.get("parallel"), health.get("slots")
     if args.json:
-        import json
-
         print(json.dumps(view.to_dict(), indent=2))
         return 0
     rows = view.nodes
@@ -106,6 +151,29 @@ def _ring_status(args: argparse.Namespace) -> int:
               f" {rtt:>7}  {state_txt}")
     if bad:
         print(f"{bad} node(s) of the plan are not serving it: run `edgespec ring rebalance`")
+    _print_slots(url, health, why)
+    return 0
+
+
+def _served_ring_status(args: argparse.Namespace, url: str, health: dict,
+                        why: str | None) -> int:
+    """No ring is up, but a server runs a ring of its own (`serve --local N`): the ring as
+    that server sees it (``GET /v1/ring``: the same view)."""
+    import json
+    import os
+
+    from edgespec.cli.served import fetch_json
+
+    view = fetch_json(url, "/v1/ring", args.api_key or os.environ.get("EDGESPEC_API_KEY"))
+    if args.json:
+        print(json.dumps(view, indent=2))
+        return 0
+    print(f"model: {view.get('model')} (the ring of the edgespec serve at {url}; no ring is up)")
+    for st in view.get("stages", []):
+        a, b = st.get("layers", [0, 0])
+        print(f"  stage {st.get('stage')}: layers {a}:{b} on {st.get('node')}"
+              + ("" if st.get("alive", True) else " (lost)"))
+    _print_slots(url, health, why)
     return 0
 
 
@@ -187,6 +255,11 @@ def _add_ring(sub) -> None:
     st.add_argument("--key-file", default=None, help="ring key")
     st.add_argument("--json", action="store_true",
                     help="print the ring view as JSON (the shape `GET /v1/ring` serves)")
+    st.add_argument("--server", default=None, metavar="URL",
+                    help="the `edgespec serve` holding the ring, asked for its slots (busy/"
+                         "free, tokens, speed); default: the one running on this host")
+    st.add_argument("--api-key", default=None,
+                    help="that server's key (default: $EDGESPEC_API_KEY, if set)")
     dn = _add(rsub, "down", "unload every node's windows and forget the ring", func=_ring_down)
     dn.add_argument("--key-file", default=None, help="ring key")
     dn.add_argument("--take-over", action="store_true",

@@ -49,13 +49,17 @@ def _open_ring(args: argparse.Namespace):
     from edgespec.api import Ring
     from edgespec.head.state import state_path
 
+    # Slots (serve --parallel S): only asked for when more than one, so S=1 is exactly the
+    # ring as chat opens it.
+    slots = getattr(args, "parallel", 1)
+    extra = {"parallel": slots} if slots != 1 else {}
     if args.local is None and state_path().exists():
         return Ring.attach(spec=args.spec, draft=args.draft, draft_quant=args.draft_quant,
-                           take_over=args.take_over)
+                           take_over=args.take_over, **extra)
     n = args.local or 2
     print(f"starting a local ring of {n} node processes for {args.model}...", file=sys.stderr)
     return Ring.local(args.model, stages=n, draft=args.draft, spec=args.spec, n_ctx=args.ctx,
-                      verbose=args.verbose, draft_quant=args.draft_quant)
+                      verbose=args.verbose, draft_quant=args.draft_quant, **extra)
 
 
 def _exit_on_hangup() -> None:
@@ -138,10 +142,12 @@ def _check_port_free(host: str, port: int) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
 
+    from edgespec.cli.served import serve_record
     from edgespec.server.app import serve
 
     _check_port_free(args.host, args.port)
-    with _open_ring(args) as ring:
+    # The record lets `edgespec ring status` find this server and show its slots.
+    with _open_ring(args) as ring, serve_record(args.host, args.port):
         # --model is what the user calls the model (a registry name or a path): clients
         # may use it as the model id too.
         serve(ring, args.served_name or ring.model_name, host=args.host, port=args.port,
@@ -154,12 +160,23 @@ def _add_serve(sub) -> None:
     p = _add(sub, "serve", "OpenAI-compatible HTTP server over the ring",
              "Serves /v1/models, /v1/completions and /v1/chat/completions (with streaming), "
              "and a web page at / (chat, the ring drawn live, the token tree, session "
-             "charts; live data: /v1/ring). Requests run one at a time in arrival order; "
-             "beyond --max-queue waiting requests the server answers 429.", func=_serve)
+             "charts; live data: /v1/ring). Up to --parallel requests run at once, one per "
+             "slot of the ring; the rest wait in arrival order, and beyond --max-queue "
+             "waiting requests the server answers 429. /health and `edgespec ring status` "
+             "show the slots.", func=_serve)
     _add_ring_choice(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8080, help="port to listen on")
-    p.add_argument("--max-queue", type=int, default=16, help="requests allowed to wait")
+    p.add_argument("--parallel", type=_at_least(1, why=" (slots share the ring's 256 "
+                                                      "sequences)"), default=1, metavar="S",
+                   help="requests served at once (slots): each slot holds its own sequences "
+                        "and history in the stages' KV caches and gets --ctx / S of the "
+                        "context and 256 / S of the tree sequences, and the requests' "
+                        "batches travel the ring together (stage k on one request while "
+                        "stage k+1 works on another). 1 = one request at a time, in "
+                        "arrival order (default: %(default)s)")
+    p.add_argument("--max-queue", type=_at_least(0), default=16,
+                   help="requests allowed to wait for a free slot; beyond: 429")
     p.add_argument("--served-name", default=None,
                    help="model id reported to clients (default: the model file's name)")
     p.add_argument("--api-key", default=None,

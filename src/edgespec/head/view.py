@@ -7,8 +7,8 @@ head holds the ring (``view_of_chain``: over the head's own connections) or not
 of the plan, the windows it holds, its state (``loaded``, ``not loaded``, ``other windows``,
 ``loaded, link down``, ``unreachable``, or for a node that left the ring ``left`` /
 ``returned``), holder, memory and round trip; per stage (ring order): layers, node, address,
-device and compute counters. Fields only a head knows (mode, drafter, recoveries) are None /
-empty without one: the shape is the same.
+device and compute counters. Fields only a head knows (mode, drafter, recoveries, its slots)
+are None / empty without one: the shape is the same.
 """
 
 from __future__ import annotations
@@ -84,19 +84,38 @@ class RingView:
     # The last answer's lap timing (``edgespec.laps``: per stage wait/compute, per link the
     # transfer time node to node); None without a head or before its first answer.
     lap_timing: dict[str, Any] | None = None
+    # The head's slots (``Ring.parallel``, ``Ring.slots()``: busy/free, tokens, speed); None
+    # where no head (or server) was asked.
+    parallel: int | None = None
+    slots: list[dict[str, Any]] | None = None
     time: float = field(default_factory=time.time)
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "n_ctx": self.n_ctx, "spec": self.spec,
                 "drafter": self.drafter, "status": self.status, "message": self.message,
                 "hint": self.hint, "recoveries": list(self.recoveries), "time": self.time,
-                "lap_timing": self.lap_timing,
+                "lap_timing": self.lap_timing, "parallel": self.parallel,
+                "slots": None if self.slots is None else [dict(s) for s in self.slots],
                 "stages": [asdict(s) for s in self.stages],
                 "nodes": [n.to_dict() for n in self.nodes]}
 
 
 _HINT = "start `edgespec node` again on those devices, then `edgespec ring rebalance` (or " \
         "`edgespec ring up`)"
+
+
+def slot_lines(slots: Sequence[dict[str, Any]]) -> list[str]:
+    """The slots as ``ring status`` prints them: one line each (busy/free, tokens of the
+    current or last request, its decode speed, prompt and committed history)."""
+    out = [f"{'slot':>4}  {'state':<5} {'tokens':>7} {'tok/s':>8} {'prompt':>7} "
+           f"{'history':>8}"]
+    for s in slots:
+        speed = s.get("tokens_per_s")
+        out.append(f"{s.get('slot', '?'):>4}  {s.get('state', '?'):<5} "
+                   f"{s.get('tokens', 0) or 0:>7} "
+                   f"{'-' if speed is None else f'{float(speed):.2f}':>8} "
+                   f"{s.get('prompt_tokens', 0) or 0:>7} {s.get('history_tokens', 0) or 0:>8}")
+    return out
 
 
 def _node_view(entry: NodeEntry, index: int | None, windows: Sequence[Window], left: bool,

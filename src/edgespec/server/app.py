@@ -21,11 +21,14 @@ model. Since one model is served, any other name is served too, with a warning i
 
 ``GET /health`` answers at once, whatever the ring is doing::
 
-    {"status": "ok", "model": <served name>, "serving": 0|1, "queued": <waiting requests>,
-     "max_queue": N, "completed": N, "abandoned": N, "rejected": N, "recoveries": N,
-     "viewers": N}
+    {"status": "ok", "model": <served name>, "serving": 0..S, "queued": <waiting requests>,
+     "max_queue": N, "parallel": S, "slots": [{"slot", "state", "tokens", "tokens_per_s",
+     "prompt_tokens", "history_tokens"}, ...], "completed": N, "abandoned": N,
+     "rejected": N, "recoveries": N, "viewers": N}
 
-``serving``/``queued``: the request on the ring and those waiting for it; ``completed``,
+``serving``/``queued``: the requests on the ring and those waiting for a slot; ``parallel``
+and ``slots``: the ring's slots (``Ring.slots()``: busy/free, tokens of the current or last
+request, its decode speed, its prompt, the committed tokens the slot holds); ``completed``,
 ``abandoned`` (the client left before its generation ended), ``rejected`` (429: queue full)
 count requests since start; ``recoveries`` counts ring rebuilds after a node was lost;
 ``viewers``: web pages following the live view now.
@@ -42,11 +45,14 @@ With ``api_key`` every endpoint (the page, its files and its stream included) ne
 ``Authorization: Bearer <key>`` or the page's same-site ``edgespec_key`` cookie (the page
 asks for the key); without it, 401.
 
-One ring holds one KV cache, so requests run one at a time in arrival order (a FIFO gate):
-nothing from one request can leak into another's context. The queue is bounded: besides the
-request being served, at most ``max_queue`` wait; one beyond that gets 429 at once instead of
-waiting without end. A client that disconnects stops its generation at the next step (or
-before it starts, if it was still queued), so abandoned requests do not hold the ring. SIGTERM
+A ring serves ``Ring.parallel`` requests at once (``edgespec serve --parallel S``), one per
+slot, each slot with its own sequences and committed history in the stages' KV caches, so
+nothing from one request can reach another's attention; with S=1 (the default) requests run
+one at a time. Requests beyond the free slots wait in arrival order (a FIFO gate), and the
+queue is bounded: besides the requests being served, at most ``max_queue`` wait; one beyond
+that gets 429 at once instead of waiting without end. A client that disconnects stops its
+generation at the next step (or leaves the queue at once, if it was still waiting), so
+abandoned requests hold neither a slot nor a place in the queue. SIGTERM
 or SIGINT stops every generation at its next step (streams end with ``finish_reason:
 "stop"``), so the server exits promptly even mid-answer and the caller closes the ring.
 FastAPI/uvicorn are used because they are the standard ASGI stack for this kind of API.
@@ -110,6 +116,17 @@ def _web_files() -> dict[str, tuple[bytes, str]]:
             out[f.name] = (f.read_bytes(), kind)
     return out
 
+def _parallel(ring: Ring) -> int:
+    """The ring's slots: how many requests it serves at once (1 on a ring without slots)."""
+    return int(getattr(ring, "parallel", 1) or 1)
+
+
+def _slots(ring: Ring) -> list[dict[str, Any]]:
+    """``Ring.slots()``: one dict per slot (busy/free, tokens, speed); [] without slots."""
+    fn = getattr(ring, "slots", None)
+    return [dict(s) for s in fn()] if callable(fn) else []
+
+
 def create_app(ring: Ring, model_name: str, max_queue: int = 16,
                aliases: Sequence[str] = (), max_body: int = MAX_BODY_BYTES,
                api_key: str | None = None) -> FastAPI:
@@ -121,7 +138,7 @@ def create_app(ring: Ring, model_name: str, max_queue: int = 16,
                   openapi_url=None)
     if api_key:
         app.add_middleware(_KeyCheck, key=api_key)
-    gate = _Gate(max_queue)
+    gate = _Gate(max_queue, parallel=_parallel(ring))
     inflight = _Inflight()
     live = _Live(ring)
     web = _web_files()
@@ -161,7 +178,8 @@ def create_app(ring: Ring, model_name: str, max_queue: int = 16,
     async def health() -> dict[str, Any]:
         with counts_lock:
             done = dict(counts)
-        return {"status": "ok", "model": model_name, **gate.state(), **done,
+        return {"status": "ok", "model": model_name, **gate.state(),
+                "parallel": gate.parallel, "slots": _slots(ring), **done,
                 "recoveries": len(ring.recovery_log), "viewers": live.subscribers}
 
     @app.get("/")
@@ -179,6 +197,7 @@ def create_app(ring: Ring, model_name: str, max_queue: int = 16,
     def _ring_json() -> dict[str, Any]:
         snap = dict(live.snapshot())
         snap.update(gate.state())
+        snap["parallel"], snap["slots"] = gate.parallel, _slots(ring)
         snap["history"] = list(live.history)
         return snap
 
@@ -242,7 +261,7 @@ def serve(ring: Ring, model_name: str, host: str = "127.0.0.1", port: int = 8080
         # responses still being written.
         config = uvicorn.Config(app, host=host, port=port, log_level="info",
                                 timeout_keep_alive=5, timeout_graceful_shutdown=5,
-                                limit_concurrency=max(64, 2 * max_queue + 32))
+                                limit_concurrency=max(64, 2 * (max_queue + _parallel(ring)) + 32))
         _Server(config).run()
     finally:
         app.state.shutdown()

@@ -37,8 +37,9 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 class Completions:
     """``POST /v1/completions`` and ``/v1/chat/completions``: a request is checked and
-    tokenized off the event loop, waits its turn at the gate, runs in a thread of its own, and
-    answers as one body or as server-sent events; a client that hangs up stops it."""
+    tokenized off the event loop, waits for a free slot at the gate, runs in a thread of its
+    own (up to ``Ring.parallel`` at once, one per slot), and answers as one body or as
+    server-sent events; a client that hangs up stops it."""
 
     def __init__(self, ring: Ring, model_name: str, *, gate: _Gate, inflight: _Inflight,
                  live: _Live, count: Callable[[str], None], max_queue: int, max_body: int,
@@ -89,10 +90,14 @@ class Completions:
             return tok.chat_tokens(msgs, add_generation_prompt=True)
         return tok.encode(req.text(), add_special=True, parse_special=False)
 
-    def _usage(self, gen: Generation) -> dict[str, int]:
-        return {"prompt_tokens": gen.stats.prompt_tokens,
-                "completion_tokens": gen.stats.tokens,
-                "total_tokens": gen.stats.prompt_tokens + gen.stats.tokens}
+    def _usage(self, gen: Generation) -> dict[str, Any]:
+        usage: dict[str, Any] = {"prompt_tokens": gen.stats.prompt_tokens,
+                                 "completion_tokens": gen.stats.tokens,
+                                 "total_tokens": gen.stats.prompt_tokens + gen.stats.tokens}
+        ttft = getattr(gen.stats, "ttft_ms", None)
+        if ttft is not None:  # the ring's own figure: request start to first token
+            usage["time_to_first_token_ms"] = round(float(ttft), 1)
+        return usage
 
     def _record(self, gen: Generation, ttft: float | None, kind: str) -> None:
         st = gen.stats
@@ -118,18 +123,27 @@ class Completions:
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
         def produce() -> None:
+            entered = False
             try:
-                self.gate.wait_turn(ticket)
-                if cancel.is_set():  # the client left while queued: skip it entirely
+                # A request cancelled while queued (the client left) withdraws at once and
+                # never reaches the ring.
+                entered = self.gate.wait_turn(ticket, cancel)
+                if not entered or cancel.is_set():
                     self.count("abandoned")
                     return
                 t0 = time.perf_counter()
                 ttft = None
                 stream = make_stream()
-                for piece in stream:
-                    if ttft is None:
-                        ttft = time.perf_counter() - t0  # prefill + first step
-                    put(piece)
+                try:
+                    for piece in stream:
+                        if ttft is None:
+                            ttft = time.perf_counter() - t0  # prefill + first step
+                        put(piece)
+                finally:
+                    # Ends the generation (and frees its slot) now, also when this loop
+                    # is left by an exception; the ring's stream stops at once on stop
+                    # sequences, max_tokens and cancel (the client hung up).
+                    stream.close()
                 gen = stream.result
                 if gen is not None:
                     self._record(gen, ttft, kind)
@@ -143,7 +157,8 @@ class Completions:
                 put(exc)
             finally:
                 self.inflight.discard(cancel)
-                self.gate.leave()
+                if entered:
+                    self.gate.leave()
                 put(None)
 
         threading.Thread(target=produce, name=f"edgespec-serve-{ticket}", daemon=True).start()
@@ -161,12 +176,16 @@ class Completions:
                 raise _BadRequest(str(exc), "spec") from None
             args["spec"] = req.spec
         tokens = self._prompt_tokens(req)
-        room = self.ring.n_ctx - len(tokens)
+        # A request gets one slot's share of the context (all of it with one slot).
+        n_ctx = int(getattr(self.ring, "slot_ctx", self.ring.n_ctx))
+        room = n_ctx - len(tokens)
         if args["max_tokens"] is None:
             args["max_tokens"] = room if chat else min(COMPLETIONS_DEFAULT_MAX_TOKENS, room)
         if room < 1 or args["max_tokens"] > room:
             raise _BadRequest(
-                f"this model's context is {self.ring.n_ctx} tokens; the prompt has {len(tokens)} "
+                f"this model's context is {n_ctx} tokens"
+                + (f" per request ({self.ring.n_ctx} shared by {self.gate.parallel} slots)"
+                   if n_ctx != self.ring.n_ctx else "") + f"; the prompt has {len(tokens)} "
                 f"and max_tokens asks for {args['max_tokens']} more",
                 "messages" if chat else "prompt", code="context_length_exceeded")
         return req, args, tokens

@@ -1,0 +1,396 @@
+"""Concurrency benchmark (issue 15): 1, 2, 4 and 8 concurrent clients against one ring, slots
+(``parallel=S``) against today's one-request-at-a-time ring (``parallel=1``, the FIFO
+baseline), in the same run.
+
+    .venv/bin/python -m bench.concurrency_bench --quick     # minutes: 0.5B, no draft, 2 stages
+    .venv/bin/python -m bench.concurrency_bench             # 1.5B target, 0.5B draft, 4 stages,
+                                                            # 10 ms/hop, 128 tokens, none+flow
+
+What runs: two rings of ``Ring.local`` node processes are up at once, ``parallel=1`` and
+``parallel=--parallel``, every ring link through its own ``bench.linkemu`` proxy with
+``--hop-ms`` one-way delay (``bench.ring_bench.Links``). For every mode (``none`` and the best
+mode, ``flow`` with the draft model) and client count, C client threads each send
+``--requests`` generations back to back (HumanEval prompts, greedy, ``--tokens`` new tokens),
+first to one ring then to the other (the order alternates cell by cell, so the host's other
+load hits both alike). Clients are admitted as ``edgespec serve`` admits them (its gate:
+up to S at once, the rest wait in arrival order); ``--via http`` sends them through a real
+``edgespec serve`` app (uvicorn, in this process) over HTTP streaming instead of the Python
+API. Every prompt starts with its own comment line (``# request N``), so no request reuses
+another's KV cache: each pays its whole prefill.
+
+Per cell: aggregate tokens/s (all tokens / first submit to last token), per-request tokens/s
+(tokens / first to last token, as the client sees them), time to first token from submit
+(queueing included) median and p95, and the ring's own ``ttft_ms`` (request start to first
+token) where the statistics carry it. ``x_fifo``: slots aggregate over FIFO aggregate.
+
+Projection (labelled, modelled): ``--stages`` separate devices, one stage each, with the stage
+costs measured alone (``bench.projection.measure_stage_curves``), the lap overhead and the
+tokens/rows per lap measured here; A = min(C, S) sequences in flight either as separate
+batches pipelined through the stages or merged into one batch per stage.
+
+Output: ``<out>/<prefix>.json`` (machine, settings, command, cells, every request, projection)
+and ``<prefix>.md`` (the table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import shlex
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # before llama_cpp loads (ring_bench)
+
+import numpy as np  # noqa: E402
+
+from bench import projection as projection_mod  # noqa: E402
+from bench.ring_bench import Links, humaneval_prompts, machine_info  # noqa: E402
+from edgespec.server.gate import _Gate  # noqa: E402  (the server's admission)
+
+# ----------------------------------------------------------------------------- clients
+
+
+class _Api:
+    """Requests through the Python API, admitted by the server's gate."""
+
+    def __init__(self, ring: Any, parallel: int) -> None:
+        self.ring, self.gate = ring, _Gate(max_queue=4096, parallel=parallel)
+
+    def run(self, prompt: str, n_tokens: int, mode: str) -> dict[str, Any]:
+        tokens = self.ring.tokenizer.encode(prompt, add_special=True, parse_special=False)
+        t0 = time.perf_counter()
+        ticket = self.gate.try_enter()
+        assert ticket is not None and self.gate.wait_turn(ticket)
+        try:
+            t_in = time.perf_counter()
+            stream = self.ring.stream_tokens(tokens, max_tokens=n_tokens, temperature=0.0,
+                                             spec=mode)
+            first = None
+            for _piece in stream:
+                first = first or time.perf_counter()
+            end = time.perf_counter()
+        finally:
+            self.gate.leave()
+        st = stream.result.stats
+        return {"t_submit": t0, "t_admitted": t_in, "t_first": first or end, "t_end": end,
+                "tokens": st.tokens, "prompt_tokens": len(tokens), "stats": st.as_dict(),
+                "ttft_ms": getattr(st, "ttft_ms", None)}
+
+    def close(self) -> None:
+        pass
+
+
+class _Http:
+    """Requests to a real ``edgespec serve`` app (uvicorn in this process), streamed."""
+
+    def __init__(self, ring: Any, parallel: int) -> None:
+        import uvicorn
+
+        from edgespec.server.app import create_app
+
+        del parallel  # the app takes it from the ring
+        self.app = create_app(ring, "bench", max_queue=4096)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.05)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+
+    def run(self, prompt: str, n_tokens: int, mode: str) -> dict[str, Any]:
+        import http.client
+
+        body = {"prompt": prompt, "max_tokens": n_tokens, "temperature": 0, "spec": mode,
+                "stream": True, "stream_options": {"include_usage": True}}
+        t0 = time.perf_counter()
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=3600)
+        conn.request("POST", "/v1/completions", json.dumps(body),
+                     {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        first, usage = None, {}
+        for line in resp:
+            if not line.startswith(b"data: {"):
+                continue
+            d = json.loads(line[6:])
+            if "error" in d:
+                raise RuntimeError(d["error"]["message"])
+            if d.get("usage"):
+                usage = d["usage"]
+            elif d["choices"] and d["choices"][0]["text"] and first is None:
+                first = time.perf_counter()
+        end = time.perf_counter()
+        conn.close()
+        return {"t_submit": t0, "t_admitted": None, "t_first": first or end, "t_end": end,
+                "tokens": usage.get("completion_tokens", 0),
+                "prompt_tokens": usage.get("prompt_tokens", 0), "stats": None,
+                "ttft_ms": usage.get("time_to_first_token_ms")}
+
+    def close(self) -> None:
+        self.app.state.shutdown()
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+def run_cell(client: Any, prompts: list[str], clients: int, requests: int, n_tokens: int,
+             mode: str, uid: Callable[[], int]) -> list[dict[str, Any]]:
+    """``clients`` threads, each sending ``requests`` generations back to back."""
+    out: list[dict[str, Any]] = []
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def one_client(k: int) -> None:
+        try:
+            for j in range(requests):
+                i = (k * requests + j) % len(prompts)
+                rec = client.run(f"# request {uid()}\n{prompts[i]}", n_tokens, mode)
+                rec.update(client_id=k, prompt=i)
+                with lock:
+                    out.append(rec)
+        except BaseException as e:  # reported after the cell
+            errors.append(e)
+
+    threads = [threading.Thread(target=one_client, args=(k,)) for k in range(clients)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if errors:
+        raise errors[0]
+    return out
+
+
+def summarize(recs: list[dict[str, Any]]) -> dict[str, Any]:
+    t0 = min(r["t_submit"] for r in recs)
+    t1 = max(r["t_end"] for r in recs)
+    toks = sum(r["tokens"] for r in recs)
+    # The first token came at t_first: the rest took t_end - t_first.
+    per_req = [(r["tokens"] - 1) / (r["t_end"] - r["t_first"]) for r in recs
+               if r["tokens"] > 1 and r["t_end"] > r["t_first"]]
+    ttft = [(r["t_first"] - r["t_submit"]) * 1e3 for r in recs]
+    ring_ttft = [r["ttft_ms"] for r in recs if r["ttft_ms"] is not None]
+
+    def pct(xs: list[float], q: float) -> float | None:
+        return round(float(np.percentile(xs, q)), 2) if xs else None
+
+    laps = [r["stats"]["laps"] for r in recs if r["stats"]]
+    rows = [r["stats"]["rows_sent"] for r in recs if r["stats"]]
+    draft = [r["stats"]["draft_ms"] for r in recs if r["stats"]]
+    return {"requests": len(recs), "tokens": toks,
+            "aggregate_tok_s": round(toks / (t1 - t0), 3),
+            "per_request_tok_s_median": pct(per_req, 50),
+            "ttft_ms_median": pct(ttft, 50), "ttft_ms_p95": pct(ttft, 95),
+            "ring_ttft_ms_median": pct(ring_ttft, 50), "ring_ttft_ms_p95": pct(ring_ttft, 95),
+            "tokens_per_lap": round(toks / sum(laps), 3) if laps and sum(laps) else None,
+            "rows_per_lap": round(sum(rows) / sum(laps), 3) if laps and sum(laps) else None,
+            "draft_ms_per_lap": round(sum(draft) / sum(laps), 3) if laps and sum(laps) else None}
+
+
+# ----------------------------------------------------------------------------- projection
+
+
+def project(curves: dict[str, Any], cells: list[dict[str, Any]], n_stages: int, hop_ms: float,
+            parallel: int) -> dict[str, Any]:
+    """PROJECTION for ``n_stages`` separate devices (module docstring), per mode and clients."""
+    cost = [s["ms"] for s in curves["stages"]]
+
+    def c(i: int, r: float) -> float:
+        return projection_mod._interp({int(k): v for k, v in cost[i].items()}, r)
+
+    def lap(r: float) -> float:
+        return sum(c(i, r) for i in range(len(cost))) + (n_stages + 1) * hop_ms
+
+    one = next((x for x in cells if x["ring"] == "fifo" and x["mode"] == "none"
+                and x["clients"] == 1), None)
+    overhead = 0.0
+    if one and one["per_request_tok_s_median"]:
+        overhead = max(0.0, 1000.0 / one["per_request_tok_s_median"] - lap(1))
+    rows = []
+    for x in cells:
+        if x["ring"] != "slots" or x["clients"] != 1 or not x["tokens_per_lap"]:
+            continue
+        tpl, rpl, draft = x["tokens_per_lap"], x["rows_per_lap"] or 1.0, x["draft_ms_per_lap"]
+        if x["mode"] == "none":  # one row, one token per decode lap (laps also count prefill)
+            tpl, rpl, draft = 1.0, 1.0, 0.0
+        lat = lap(rpl) + overhead + (draft or 0.0)
+        fifo = 1000.0 * tpl / lat
+        for n in sorted({y["clients"] for y in cells}):
+            a = min(n, parallel)
+            pipelined = min(a * 1000.0 * tpl / lat,
+                            1000.0 * tpl / max(c(i, rpl) for i in range(len(cost))))
+            merged_lap = lap(a * rpl) + overhead + (draft or 0.0)
+            merged = a * 1000.0 * tpl / merged_lap
+            rows.append({"mode": x["mode"], "clients": n, "in_flight": a,
+                         "fifo_tok_s": round(fifo, 2),
+                         "pipelined_tok_s": round(pipelined, 2),
+                         "merged_tok_s": round(merged, 2),
+                         "x_fifo_pipelined": round(pipelined / fifo, 2),
+                         "x_fifo_merged": round(merged / fifo, 2)})
+    return {"label": "PROJECTION - modelled, not measured", "devices": n_stages,
+            "assumptions": [
+                f"{n_stages} devices, one stage each, each stage as fast as measured alone on "
+                "one core of this host (bench.projection.measure_stage_curves)",
+                f"a lap crosses {n_stages + 1} links of {hop_ms:g} ms",
+                f"plus {overhead:.1f} ms per lap of measured overhead (FIFO ring, mode none, "
+                "1 client) the stage curves do not explain",
+                "none: one row and one token per lap; other modes: tokens, rows and drafting "
+                "per lap as measured with 1 client (laps include prefill laps)",
+                "pipelined: in-flight sequences travel as separate batches (a stage serves "
+                "them one after another); merged: one batch per stage holds all their rows",
+                "flow's overlap of laps is not modelled (each of its laps counts as one sync "
+                "step), so its rows are a lower bound"],
+            "overhead_ms_per_lap": round(overhead, 2), "rows": rows}
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def _table(cells: list[dict[str, Any]]) -> str:
+    head = ("| mode | clients | ring | aggregate tok/s | x fifo | per-request tok/s | "
+            "TTFT ms median | TTFT ms p95 | ring TTFT ms median |")
+    lines = [head, "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for x in cells:
+        def f(v: Any) -> str:
+            return "-" if v is None else f"{v:.2f}" if isinstance(v, float) else str(v)
+        lines.append(f"| {x['mode']} | {x['clients']} | {x['ring']} | "
+                     f"{f(x['aggregate_tok_s'])} | {f(x.get('x_fifo'))} | "
+                     f"{f(x['per_request_tok_s_median'])} | {f(x['ttft_ms_median'])} | "
+                     f"{f(x['ttft_ms_p95'])} | {f(x['ring_ttft_ms_median'])} |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.concurrency_bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true",
+                    help="small run: 0.5B target, no draft (retrieval drafting), 2 stages, "
+                         "32 tokens, clients 1,2,4, one request each; flags still override")
+    ap.add_argument("--target", default=None)
+    ap.add_argument("--draft", default=None, help="draft model ('-': none, retrieval)")
+    ap.add_argument("--stages", type=int, default=None)
+    ap.add_argument("--hop-ms", type=float, default=10.0)
+    ap.add_argument("--modes", default="none,flow", help="none and the best mode")
+    ap.add_argument("--clients", default=None, help="client counts (default 1,2,4,8)")
+    ap.add_argument("--parallel", type=int, default=4, help="slots of the compared ring")
+    ap.add_argument("--requests", type=int, default=None, help="per client (default 2)")
+    ap.add_argument("--tokens", type=int, default=None)
+    ap.add_argument("--n-ctx", type=int, default=4096, help="of each ring (slots share it)")
+    ap.add_argument("--threads", type=int, default=1, help="llama.cpp threads per stage")
+    ap.add_argument("--via", choices=("api", "http"), default="api")
+    ap.add_argument("--no-projection", action="store_true")
+    ap.add_argument("--out", default="bench/results/")
+    ap.add_argument("--name", default=None)
+    args = ap.parse_args(argv)
+
+    q = args.quick
+    target = args.target or ("qwen2.5-coder-0.5b" if q else "qwen2.5-coder-1.5b")
+    draft = args.draft or (None if q else "qwen2.5-coder-0.5b")
+    draft = None if draft == "-" else draft
+    stages = args.stages or (2 if q else 4)
+    n_tokens = args.tokens or (32 if q else 128)
+    requests = args.requests or (1 if q else 2)
+    counts = [int(c) for c in (args.clients or ("1,2,4" if q else "1,2,4,8")).split(",")]
+    modes = [m for m in args.modes.split(",") if m]
+    for m in modes:
+        if m not in ("none", "sync", "flow", "auto"):
+            ap.error(f"unknown mode {m!r}")
+    prompts = [p["prompt"] for p in humaneval_prompts(max(8, max(counts) * requests))]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    prefix = args.name or ("concurrency_bench_quick" if q else "concurrency_bench")
+    command = "python -m bench.concurrency_bench " + " ".join(
+        shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    t_start = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - t_start:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    from edgespec import Ring
+    from edgespec.llm.models import resolve
+
+    host = machine_info()
+    counter = itertools.count()
+    rings: dict[str, Any] = {}
+    links: list[Links] = []
+    clients: dict[str, Any] = {}
+    cells: list[dict[str, Any]] = []
+    raw: list[dict[str, Any]] = []
+    try:
+        for name, par in (("fifo", 1), ("slots", args.parallel)):
+            lk = Links(args.hop_ms)
+            links.append(lk)
+            t = time.perf_counter()
+            extra = {"parallel": par} if par != 1 else {}  # parallel=1: today's ring
+            rings[name] = Ring.local(target, stages=stages, draft=draft, proxy=lk.proxy,
+                                     threads=args.threads, n_ctx=args.n_ctx, spec="none",
+                                     **extra)
+            clients[name] = (_Http if args.via == "http" else _Api)(rings[name], par)
+            log(f"{name} ring up (parallel={par}) in {time.perf_counter() - t:.1f} s")
+            for m in modes:  # warm-up: weights paged in, the cost model has a few laps
+                clients[name].run(f"# warm-up\n{prompts[0]}", 8, m)
+        flip = False
+        for m in modes:
+            for n in counts:
+                order = ["slots", "fifo"] if flip else ["fifo", "slots"]
+                flip = not flip
+                got = {}
+                for name in order:
+                    recs = run_cell(clients[name], prompts, n, requests, n_tokens, m,
+                                    lambda: next(counter))
+                    cell = {"mode": m, "clients": n, "ring": name,
+                            "parallel": 1 if name == "fifo" else args.parallel,
+                            **summarize(recs), "load_avg_1m": round(os.getloadavg()[0], 2)}
+                    raw += [{"mode": m, "clients": n, "ring": name, **r} for r in recs]
+                    got[name] = cell
+                    log(f"{m:<5} {n} client(s) {name:<5} {cell['aggregate_tok_s']:7.2f} tok/s "
+                        f"aggregate, TTFT median {cell['ttft_ms_median']} ms")
+                got["slots"]["x_fifo"] = round(got["slots"]["aggregate_tok_s"]
+                                               / got["fifo"]["aggregate_tok_s"], 3)
+                cells += [got["fifo"], got["slots"]]
+    finally:
+        for c in clients.values():
+            c.close()
+        for r in rings.values():
+            r.close()
+        for lk in links:
+            lk.close()
+
+    proj = None
+    if not args.no_projection:
+        log("projection: measuring stage cost curves")
+        curves = projection_mod.measure_stage_curves(resolve(target), stages,
+                                                     threads=args.threads)
+        proj = {"curves": curves,
+                "projection": project(curves, cells, stages, args.hop_ms, args.parallel)}
+    settings = {"target": target, "draft": draft, "stages": stages, "hop_ms": args.hop_ms,
+                "modes": modes, "clients": counts, "parallel": args.parallel,
+                "requests_per_client": requests, "tokens": n_tokens, "n_ctx": args.n_ctx,
+                "threads": args.threads, "via": args.via}
+    report = {"machine": host, "settings": settings, "command": command, "cells": cells,
+              "projection": proj, "requests": raw}
+    (out / f"{prefix}.json").write_text(json.dumps(report, indent=1))
+    md = [f"# Concurrency benchmark: {target}, {stages} stages, {args.hop_ms:g} ms/hop", "",
+          f"Command: `{command}`", "", f"Host: {host.get('cpu')}, {host.get('logical_cpus')} "
+          f"logical CPUs, load average at start {host.get('load_avg')}.", "", _table(cells)]
+    if proj:
+        p = proj["projection"]
+        md += ["", f"### {p['label']}", ""] + [f"- {a}" for a in p["assumptions"]] + [
+            "", "| mode | clients | in flight | FIFO tok/s | pipelined tok/s | merged tok/s |",
+            "|---|---:|---:|---:|---:|---:|"]
+        md += [f"| {r['mode']} | {r['clients']} | {r['in_flight']} | {r['fifo_tok_s']} | "
+               f"{r['pipelined_tok_s']} | {r['merged_tok_s']} |" for r in p["rows"]]
+    (out / f"{prefix}.md").write_text("\n".join(md) + "\n")
+    print(_table(cells))
+    log(f"wrote {out / (prefix + '.json')} and {prefix}.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

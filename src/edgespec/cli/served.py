@@ -1,0 +1,78 @@
+"""The record a running `edgespec serve` leaves for `edgespec ring status`: only the head holds
+the ring's slots (busy/free, tokens, speed), and a status command run beside it asks the
+server's ``/health`` for them. The record (``$EDGESPEC_HOME/serve.json``: URL, pid, host) lives
+while the server runs; a record whose process is gone is ignored."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+
+def record_path() -> Path:
+    from edgespec.llm.models import home
+
+    return home() / "serve.json"
+
+
+def _url_host(host: str) -> str:
+    if host in ("0.0.0.0", "", "::"):
+        return "127.0.0.1"  # listening everywhere: this host reaches it on loopback
+    return f"[{host}]" if ":" in host else host
+
+
+@contextlib.contextmanager
+def serve_record(host: str, port: int):
+    """Write the record for the server's lifetime (best effort: a read-only home only means
+    `ring status` cannot show the slots)."""
+    path = record_path()
+    rec = {"url": f"http://{_url_host(host)}:{port}", "pid": os.getpid(),
+           "host": socket.gethostname(), "since": time.time()}
+    written = False
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(rec))
+        tmp.replace(path)
+        written = True
+    try:
+        yield rec
+    finally:
+        if written:
+            with contextlib.suppress(OSError, ValueError):
+                if json.loads(path.read_text()).get("pid") == os.getpid():
+                    path.unlink()
+
+
+def running_server() -> str | None:
+    """The URL of the `edgespec serve` running on this host, from its record; None if there
+    is none (or its process is gone)."""
+    try:
+        rec = json.loads(record_path().read_text())
+        pid, url = int(rec["pid"]), str(rec["url"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if rec.get("host") != socket.gethostname():
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass  # another user's process: it exists
+    return url
+
+
+def fetch_json(url: str, path: str, api_key: str | None, timeout: float = 5.0) -> dict[str, Any]:
+    """GET ``url + path`` as JSON (with the server's API key, if any)."""
+    req = urllib.request.Request(url.rstrip("/") + path)
+    if api_key:
+        req.add_header("Authorization", f"Bearer {api_key}")
+    with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 - http(s) only
+        return json.loads(r.read())
