@@ -374,3 +374,22 @@ def test_lost_node_during_concurrent_generation_one_rebuild_replays_every_slot(
         # The rebuilt ring serves both slots on.
         again = _concurrently(lambda p: ring.generate(p, max_tokens=8).tokens, prompts)
         assert all(len(t) == 8 for t in again)
+
+
+def test_slots_draw_lap_ids_from_disjoint_parts():
+    """Stages prune by lap id and the head routes results by it: two slots never share one,
+    also when a slot's counter wraps."""
+    from edgespec.head.engine.runner import SpecEngine
+
+    class _Chain:
+        n_vocab, n_stages = 10, 1
+
+    seen = {}
+    for i in range(4):
+        e = SpecEngine(_Chain())
+        e.use_laps(i, 4)
+        e._lap = e._lap_high | e._lap_mask  # the last lap id of its part: the next wraps
+        laps = [e._new_lap() for _ in range(1000)]
+        assert all(lap >> 29 == i for lap in laps) and len(set(laps)) == 1000
+        seen[i] = set(laps)
+    assert not set.intersection(*seen.values())

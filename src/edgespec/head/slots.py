@@ -311,8 +311,9 @@ class SlotPool:
         for i in range(parallel):
             sc = SlotChain(self.demux, i, self.width)
             engine = make_engine(sc, i)
-            # Lap ids of different slots never meet (the demux routes by lap).
-            engine._lap = (engine._lap + i * (1 << 26)) & 0x7FFFFFFF
+            # Lap ids of different slots never meet (the demux routes by lap, stages prune
+            # by lap): each slot draws from its own part of the lap space.
+            engine.use_laps(i, parallel)
             slot = Slot(i, engine, None)
             slot.session = make_session(
                 sc, engine, (lambda exc, s=slot: self.recover_slot(s, exc))

@@ -82,6 +82,7 @@ class SpecEngine(NoneMode, SyncMode, FlowMode):
         # Lap ids name batches on every stage (pruning remembers recent laps): start each head
         # somewhere random so a new head on the same stages never reuses a recent lap id.
         self._lap = secrets.randbits(30)
+        self._lap_high, self._lap_mask = 0, 0x7FFFFFFF  # the whole space (see use_laps)
         # A new head knows nothing of what the stages hold: its first batch starts from an
         # empty cache (ordered ahead of that batch like any other KV operation).
         self._pending_ops: list[KvOp] = KvOp.clear()
@@ -254,8 +255,16 @@ class SpecEngine(NoneMode, SyncMode, FlowMode):
 
     # ------------------------------------------------------------------ helpers
 
+    def use_laps(self, index: int, count: int) -> None:
+        """Take lap ids from part ``index`` of ``count`` disjoint parts of the 31-bit space
+        (slots of one ring, docs/design.md 5.8): stages key pruning by lap, and the head
+        routes results by it, so two slots must never share one."""
+        bits = 31 - max(0, count - 1).bit_length()
+        self._lap_high, self._lap_mask = index << bits, (1 << bits) - 1
+        self._lap = self._lap_high | (secrets.randbits(bits) & self._lap_mask)
+
     def _new_lap(self) -> int:
-        self._lap = (self._lap + 1) & 0x7FFFFFFF
+        self._lap = self._lap_high | ((self._lap + 1) & self._lap_mask)
         return self._lap
 
     def _submit(self, batch: Batch) -> None:
