@@ -305,6 +305,8 @@ class Ring:
                     chunks.close()  # statistics now cover every ring the generation ran on
                     slot.tokens = engine.stats.tokens
                     slot.tokens_per_s = engine.stats.tokens_per_s
+                if cancel is not None and cancel.is_set() and len(tokens) < max_tokens:
+                    finish = "stop"  # cancelled short of max_tokens: it did not run out
                 if len(text) > emitted:
                     yield text[emitted:]
                 stats = engine.stats
