@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import threading
 import urllib.error
 import urllib.request
@@ -287,6 +288,12 @@ def test_ring_status_shows_the_slots_of_the_running_server(served, tmp_path, mon
 
     url, port, _ring = served
     monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path))  # no ring is up here: the server's own
+    # main() points the root logger at this test's captured stderr: put it back afterwards,
+    # or later tests' log records go to a closed stream.
+    root, ours = logging.getLogger(), logging.getLogger("edgespec")
+    monkeypatch.setattr(root, "handlers", root.handlers[:])
+    monkeypatch.setattr(root, "level", root.level)
+    monkeypatch.setattr(ours, "level", ours.level)
     assert running_server() is None
     with serve_record("127.0.0.1", port):
         assert running_server() == url
