@@ -184,31 +184,25 @@ bool i32_non_negative(const uint8_t *base, const Field &f) {
     return true;
 }
 
-// The arrays of a TOKENS / HIDDEN payload in the form edgespec.wire.frames builds a Batch
-// from: (tokens or None, positions, seq ids [n, k] padded with -1, seq counts, nodes or None,
-// hidden float32 [n, E] (a view of the payload) or None, KV ops [m, 5] or None, META's JSON
-// bytes or None). None when the payload is anything but the canonical form with every check
-// of edgespec.wire.codec passing (another encoding, PARENTS, a fault of any kind): the caller
-// then decodes it with the Python codec, which takes it or names the fault.
-py::object parse_batch_payload(py::object payload, int kind) {
-    if (!little_endian() || (kind != KIND_TOKENS && kind != KIND_HIDDEN)) return py::none();
-    py::buffer_info info = py::reinterpret_borrow<py::buffer>(payload).request();
-    if (info.ndim != 1 || info.itemsize != 1 || (info.strides.size() && info.strides[0] != 1))
-        return py::none();
-    const uint8_t *base = static_cast<const uint8_t *>(info.ptr);
-    const size_t end = static_cast<size_t>(info.size);
-    Field f[10];
+// The payload as bytes; false when it is not a plain contiguous byte buffer.
+bool payload_bytes(const py::object &payload, py::buffer_info &info) {
+    info = py::reinterpret_borrow<py::buffer>(payload).request();
+    return info.ndim == 1 && info.itemsize == 1 && (info.strides.empty() || info.strides[0] == 1);
+}
+
+// Walk a payload's fields into `f` (by tag), with the codec's checks on each: reserved byte
+// zero, no field twice, dims within the payload, data within it, zero padding. `takes(tag,
+// enc, ndim)` says which fields the caller reads (its kind's, in their one encoding and rank,
+// at most 2 dims). False at the first field that fails or is not taken.
+template <class Takes>
+bool read_fields(const uint8_t *base, size_t end, Field (&f)[10], Takes takes) {
     size_t off = 0;
     while (off < end) {
-        if (end - off < 4) return py::none();
+        if (end - off < 4) return false;
         const int tag = base[off], enc = base[off + 1], ndim = base[off + 2], reserved = base[off + 3];
         off += 4;
-        if (reserved || tag < 1 || tag > 9 || tag == 7 || tag == TAG_PARENTS) return py::none();
-        if (f[tag].present) return py::none();
-        const int want_ndim = (tag == TAG_SEQ_IDS || tag == TAG_HIDDEN || tag == TAG_KV_OPS) ? 2 : 1;
-        const int want_enc = tag == TAG_SEQ_IDS ? ENC_BITS : tag == TAG_HIDDEN ? ENC_F32
-                             : tag == TAG_META ? ENC_JSON : ENC_I32;
-        if (enc != want_enc || ndim != want_ndim || end - off < 4u * ndim) return py::none();
+        if (reserved || tag < 1 || tag > 9 || f[tag].present || !takes(tag, enc, ndim)) return false;
+        if (ndim < 1 || ndim > 2 || end - off < 4u * ndim) return false;
         Field &fd = f[tag];
         for (int d = 0; d < ndim; ++d) std::memcpy(&fd.dims[d], base + off + 4 * d, 4);
         off += 4 * ndim;
@@ -217,14 +211,38 @@ py::object parse_batch_payload(py::object payload, int kind) {
         else if (enc == ENC_JSON) size = fd.dims[0];
         else size = 4 * uint64_t(fd.dims[0]) * (ndim == 2 ? fd.dims[1] : 1);
         const uint64_t padded = size + (4 - size % 4) % 4;
-        if (padded > end - off) return py::none();
+        if (padded > end - off) return false;
         for (uint64_t p = size; p < padded; ++p)
-            if (base[off + p]) return py::none();
+            if (base[off + p]) return false;
         fd.present = true;
         fd.off = off;
         fd.size = static_cast<size_t>(size);
         off += static_cast<size_t>(padded);
     }
+    return true;
+}
+
+// The arrays of a TOKENS / HIDDEN payload in the form edgespec.wire.frames builds a Batch
+// from: (tokens or None, positions, seq ids [n, k] padded with -1, seq counts, nodes or None,
+// hidden float32 [n, E] (a view of the payload) or None, KV ops [m, 5] or None, META's JSON
+// bytes or None). None when the payload is anything but the canonical form with every check
+// of edgespec.wire.codec passing (another encoding, PARENTS, a fault of any kind): the caller
+// then decodes it with the Python codec, which takes it or names the fault.
+py::object parse_batch_payload(py::object payload, int kind) {
+    py::buffer_info info;
+    if (!little_endian() || (kind != KIND_TOKENS && kind != KIND_HIDDEN) ||
+        !payload_bytes(payload, info))
+        return py::none();
+    const uint8_t *base = static_cast<const uint8_t *>(info.ptr);
+    Field f[10];
+    const bool read = read_fields(base, static_cast<size_t>(info.size), f, [](int tag, int enc, int ndim) {
+        if (tag == TAG_ACCEPTED || tag == TAG_PARENTS) return false;  // not a batch's / left to the codec
+        const int want_ndim = (tag == TAG_SEQ_IDS || tag == TAG_HIDDEN || tag == TAG_KV_OPS) ? 2 : 1;
+        const int want_enc = tag == TAG_SEQ_IDS ? ENC_BITS : tag == TAG_HIDDEN ? ENC_F32
+                             : tag == TAG_META ? ENC_JSON : ENC_I32;
+        return enc == want_enc && ndim == want_ndim;
+    });
+    if (!read) return py::none();
     // Schema of the kind (edgespec.wire.codec): what must be there, what may.
     if (!f[TAG_POSITIONS].present || !f[TAG_SEQ_IDS].present) return py::none();
     if (kind == KIND_TOKENS && (!f[TAG_TOKENS].present || f[TAG_HIDDEN].present)) return py::none();
@@ -306,34 +324,15 @@ py::object build_result_payload(py::handle accepted, py::handle nodes, py::bytes
 // (accepted, nodes or None, META's JSON bytes or None) of a canonical RESULT payload; None
 // when it is anything else (the Python codec then takes it or names the fault).
 py::object parse_result_payload(py::object payload) {
-    if (!little_endian()) return py::none();
-    py::buffer_info info = py::reinterpret_borrow<py::buffer>(payload).request();
-    if (info.ndim != 1 || info.itemsize != 1 || (info.strides.size() && info.strides[0] != 1))
-        return py::none();
+    py::buffer_info info;
+    if (!little_endian() || !payload_bytes(payload, info)) return py::none();
     const uint8_t *base = static_cast<const uint8_t *>(info.ptr);
-    const size_t end = static_cast<size_t>(info.size);
     Field f[10];
-    size_t off = 0;
-    while (off < end) {
-        if (end - off < 4) return py::none();
-        const int tag = base[off], enc = base[off + 1], ndim = base[off + 2], reserved = base[off + 3];
-        off += 4;
-        if (reserved || (tag != TAG_ACCEPTED && tag != TAG_NODES && tag != TAG_META) || f[tag].present)
-            return py::none();
-        if (enc != (tag == TAG_META ? ENC_JSON : ENC_I32) || ndim != 1 || end - off < 4) return py::none();
-        Field &fd = f[tag];
-        std::memcpy(&fd.dims[0], base + off, 4);
-        off += 4;
-        const uint64_t size = tag == TAG_META ? fd.dims[0] : 4 * uint64_t(fd.dims[0]);
-        const uint64_t padded = size + (4 - size % 4) % 4;
-        if (padded > end - off) return py::none();
-        for (uint64_t p = size; p < padded; ++p)
-            if (base[off + p]) return py::none();
-        fd.present = true;
-        fd.off = off;
-        fd.size = static_cast<size_t>(size);
-        off += static_cast<size_t>(padded);
-    }
+    const bool read = read_fields(base, static_cast<size_t>(info.size), f, [](int tag, int enc, int ndim) {
+        if (tag != TAG_ACCEPTED && tag != TAG_NODES && tag != TAG_META) return false;
+        return enc == (tag == TAG_META ? ENC_JSON : ENC_I32) && ndim == 1;
+    });
+    if (!read) return py::none();
     if (!f[TAG_ACCEPTED].present) return py::none();
     for (int tag : {TAG_ACCEPTED, TAG_NODES})
         if (f[tag].present && !i32_non_negative(base, f[tag])) return py::none();
