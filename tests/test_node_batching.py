@@ -170,6 +170,25 @@ def test_worker_merged_failure_fails_only_its_batch(windows) -> None:
     first.run(prefill(2, [4], lap=6, start=0), None)
 
 
+def test_worker_merged_refused_sampling_fails_only_its_batch(windows) -> None:
+    """On the last stage a batch whose targets cannot be drawn (its sampling refused) fails
+    after the merged decode wrote every batch's KV: it fails alone, and the others are
+    neither failed nor decoded a second time."""
+    _, whole = windows
+    reset(whole)
+    last = StageWorker([whole], is_last=True)
+    good = prefill(1, [5, 6, 7], lap=1)
+    bad = prefill(2, [8, 9], lap=2, sampling=Sampling(temperature=1.0, top_p=-1.0))
+    also = prefill(3, [10, 11], lap=3)
+    outs = last.run_many([(good, None), (bad, None), (also, None)])
+    assert isinstance(outs[1], Exception) and "top_p" in str(outs[1])
+    assert len(outs[0][1]) == 1 and len(outs[2][1]) == 1
+    # Each sequence holds its rows once: the next position continues it.
+    last.run(prefill(1, [4], lap=4, start=3), None)
+    last.run(prefill(3, [4], lap=5, start=2), None)
+    last.run(prefill(2, [4], lap=6, start=2), None)
+
+
 # ------------------------------------------------------------------- a stage loop
 
 class Head:

@@ -175,7 +175,7 @@ class StageWorker:
         return batch, x
 
     def _forward_merged(self, parts: list[tuple[Batch, np.ndarray | None]]
-                        ) -> list[tuple[Batch, np.ndarray]]:
+                        ) -> list[tuple[Batch, np.ndarray] | Exception]:
         batches = [b for b, _ in parts]
         merged = concat_batches(batches)
         x = None if parts[0][1] is None else np.concatenate([h for _, h in parts])
@@ -192,12 +192,18 @@ class StageWorker:
             # decode (the caller forwards them first, or copies).
             return [(b, x[bounds[k]:bounds[k + 1]]) for k, b in enumerate(batches)]
         # Logits rows come in batch order of the wanted rows: split them per batch, and pick
-        # each batch's targets with its own sampling.
-        res, r = [], 0
+        # each batch's targets with its own sampling. The decode is done (its KV written):
+        # a batch whose targets cannot be drawn (its sampling refused) fails alone, here,
+        # and is never decoded again.
+        res: list = []
+        r = 0
         for b in batches:
             k = int(np.count_nonzero(b.want))
-            res.append((b, pick_targets(x[r:r + k], b.pos[b.want], b.sampling) if k
-                        else np.zeros(0, dtype=np.int32)))
+            try:
+                res.append((b, pick_targets(x[r:r + k], b.pos[b.want], b.sampling) if k
+                            else np.zeros(0, dtype=np.int32)))
+            except Exception as e:
+                res.append(e)
             r += k
         return res
 
