@@ -193,9 +193,14 @@ def assert_same_sampled(got, ref, model_path, prompt, seed, temperature, what):
 
 
 def test_seeded_sampling_concurrent_equals_alone(ring4, real_model_path):
+    """Seeded sampling in mode none: the same draws alone and next to other slots (up to a
+    draw at a boundary the other batch shapes can move). Tree modes are lossless in
+    distribution, not draw for draw: which tokens a sampled tree accepts depends on the tree,
+    and the tree on timing (how far flow drafts ahead), with or without other slots
+    (tests/test_sampling_real.py)."""
     ring = ring4
     prompts = PROMPTS[:4]
-    kw = {"max_tokens": N, "temperature": 0.8, "spec": "flow"}
+    kw = {"max_tokens": N, "temperature": 0.8, "spec": "none"}
     alone = []
     for i, p in enumerate(prompts):
         ring.reset()
