@@ -204,7 +204,7 @@ def breakdown(stats: Any, before: dict[int, tuple[float, int]],
         b0, n0 = before.get(st, (0.0, 0))
         b1, n1 = after[st]
         comp.append(round((b1 - b0) * 1e3 / max(1, n1 - n0), 2))
-    lap = stats.plain_wait_s * 1e3 / max(1, stats.plain_steps)
+    lap = stats.plain_wait_s * 1e3 / max(1, getattr(stats, "plain_laps", stats.plain_steps))
     return {"ms_per_token": round(stats.decode_s * 1e3 / n, 2),
             "head": round((stats.decode_s - stats.plain_wait_s) * 1e3 / n, 2),
             "lap": round(lap, 2), "stages": comp, "rest": round(lap - sum(comp), 2)}
@@ -249,7 +249,10 @@ def summarize_overhead(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def run_modes(target: str, draft: str | None, stages: int, hop_ms: float, modes: list[str],
-              n_tokens: int, n_prompts: int, log) -> list[dict[str, Any]]:
+              n_tokens: int, n_prompts: int, log, reps: int = 1) -> list[dict[str, Any]]:
+    """Every prompt in every mode, ``reps`` times; each rep rotates the modes' order, so a
+    mode does not always follow the same one (host drift within a prompt's block evens
+    out)."""
     from edgespec import Ring
 
     links = Links(hop_ms) if hop_ms > 0 else None
@@ -266,17 +269,18 @@ def run_modes(target: str, draft: str | None, stages: int, hop_ms: float, modes:
             msgs = [[{"role": "user", "content": c}] for c in CHAT_PROMPTS[:n_prompts]]
             for m in modes:  # warm-up: page in weights, give the cost model laps
                 chat(msgs[0], m, 8)
-            for i, msg in enumerate(msgs):
-                for m in modes:
-                    g = chat(msg, m, n_tokens)
-                    st = g.stats.as_dict()
-                    out.append({"mode": m, "resolved": st["mode"], "prompt": i,
-                                "n_tokens": len(g.tokens), "decode_s": g.stats.decode_s,
-                                "tokens_per_s": st["tokens_per_s"], "tokens": g.tokens,
-                                "stats": st, "load_avg_1m": round(os.getloadavg()[0], 2)})
-                    log(f"  p{i} {m:<5} ({st['mode']}) {st['tokens_per_s']:7.2f} tok/s  "
-                        f"steps {st['steps']} plain {st.get('plain_steps', '-')} "
-                        f"acc/round {st['mean_accepted_per_step']:.2f}")
+            turns = [(rep, i, msg, m) for rep in range(reps) for i, msg in enumerate(msgs)
+                     for m in modes[rep % len(modes):] + modes[:rep % len(modes)]]
+            for rep, i, msg, m in turns:
+                g = chat(msg, m, n_tokens)
+                st = g.stats.as_dict()
+                out.append({"mode": m, "resolved": st["mode"], "prompt": i, "rep": rep,
+                            "n_tokens": len(g.tokens), "decode_s": g.stats.decode_s,
+                            "tokens_per_s": st["tokens_per_s"], "tokens": g.tokens,
+                            "stats": st, "load_avg_1m": round(os.getloadavg()[0], 2)})
+                log(f"  r{rep} p{i} {m:<5} ({st['mode']}) {st['tokens_per_s']:7.2f} tok/s  "
+                    f"steps {st['steps']} plain {st.get('plain_steps', '-')} "
+                    f"acc/round {st['mean_accepted_per_step']:.2f}")
     finally:
         if links:
             links.close()
@@ -297,14 +301,23 @@ def summarize_modes(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     none = [r for r in runs if r["mode"] == "none"]
     ref = rate(none) if none else None
     ref_all = rate_all(none) if none else None
+    reps = sorted({r.get("rep", 0) for r in runs})
     rows = []
     for m in dict.fromkeys(r["mode"] for r in runs):
         rs = [r for r in runs if r["mode"] == m]
         tps = rate(rs)
         same = sum(r["tokens"] == n["tokens"] for r, n in zip(rs, none, strict=False))
+        per_rep = [round(rate_all([r for r in rs if r.get("rep", 0) == k])
+                         / rate_all([r for r in none if r.get("rep", 0) == k]), 3)
+                   for k in reps] if none else []
         rows.append({"mode": m, "tokens_per_s": round(tps, 2),
                      "x_none": round(tps / ref, 3) if ref else None,
                      "x_none_with_prefill": round(rate_all(rs) / ref_all, 3) if ref_all else None,
+                     # per rep (every prompt once), then their median: the modes of one rep
+                     # ran back to back, so each ratio carries less of the host's drift
+                     "x_none_with_prefill_per_rep": per_rep,
+                     "x_none_with_prefill_median": (round(statistics.median(per_rep), 3)
+                                                    if per_rep else None),
                      # (an engine from before plain_steps was counted: unknown)
                      "tree_steps": sum(r["stats"]["steps"] - r["stats"]["plain_steps"]
                                         for r in rs) if all("plain_steps" in r["stats"]
@@ -343,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default="none,sync,flow,auto", help="modes part")
     ap.add_argument("--chat-tokens", type=int, default=96)
     ap.add_argument("--chat-prompts", type=int, default=5)
+    ap.add_argument("--mode-reps", type=int, default=1,
+                    help="modes part: turns of every prompt in every mode (order rotated)")
     ap.add_argument("--out", default="bench/results/lap_bench.json")
     args = ap.parse_args(argv)
 
@@ -367,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
         print(_table(result["overhead"]))
     if "modes" in parts:
         runs = run_modes(args.target, args.draft, args.stages, args.hop_ms,
-                         args.modes.split(","), args.chat_tokens, args.chat_prompts, log)
+                         args.modes.split(","), args.chat_tokens, args.chat_prompts, log,
+                         reps=args.mode_reps)
         result["modes_setup"] = {"target": args.target, "draft": args.draft,
                                  "stages": args.stages, "hop_ms": args.hop_ms}
         result["modes_runs"] = runs

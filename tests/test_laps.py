@@ -19,7 +19,7 @@ def test_ring_lap_view_has_every_stage_and_link_and_adds_up(real_model_path):
     view = gen.stats.as_dict()["lap_timing"]
     assert view is not None
     # every decode lap timed (one node host: one clock, so no lap is left out for skew)
-    assert view["laps"] == gen.stats.plain_steps > 0
+    assert view["laps"] == gen.stats.plain_laps > 0
     assert view["skewed_laps"] == 0
     assert [s["stage"] for s in view["stages"]] == [0, 1, 2]
     assert [(lk["from"], lk["to"]) for lk in view["links"]] == [

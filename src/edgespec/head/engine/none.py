@@ -15,17 +15,7 @@ from edgespec.batch import Batch, Sampling, SeqIds
 class NoneMode:
     """Mode ``none``: pipelined autoregressive decoding, one token per lap (the baseline), and the"""
 
-    def _steps_none(self, root: int, sampling: Sampling, first: int | None = None
-                    ) -> Iterator[list[int]]:
-        """``first``: the token the prefill lap already brought (``root`` is committed then)."""
-        if first is not None:
-            self.stats.steps += 1
-            self.stats.accepted_hist[1] += 1
-            if self.listeners:  # the prefill's last lap brought it
-                self._emit({"e": "plain", "lap": self._lap, "root": int(root),
-                            "token": int(first)})
-            root = first
-            yield [first]
+    def _steps_none(self, root: int, sampling: Sampling) -> Iterator[list[int]]:
         while True:
             gained = self._plain_step(root, sampling, tell_drafter=False)
             root = gained[-1]
@@ -52,6 +42,7 @@ class NoneMode:
         self.stats.laps += 1
         self.stats.steps += 1
         self.stats.plain_steps += 1
+        self.stats.plain_laps += 1
         self.stats.accepted_hist[1] += 1
         self._commit([root])
         token = int(res.targets[0])

@@ -131,8 +131,10 @@ class SpecEngine(NoneMode, SyncMode, FlowMode):
         ``t_start``: when the request began (``time.perf_counter``), for the time to first
         token (default: now).
 
-        In mode ``none`` the prompt's last token rides in the last prefill chunk, its row
-        wanted: the first token comes back with the prefill, one lap sooner.
+        Every mode takes its first token from the prefill: the prompt's last token rides in
+        the last prefill chunk, its row wanted, so the first token comes back one lap sooner
+        (docs/design.md 5.8), and the first step (plain or tree) hangs below it. A drafter
+        reads the prompt while the prefill is in flight.
         """
         prompt = [int(t) for t in prompt]
         if not prompt:
@@ -145,27 +147,30 @@ class SpecEngine(NoneMode, SyncMode, FlowMode):
         self.gain.begin()
         t0 = time.perf_counter()
         t_start = t0 if t_start is None else t_start
-        first = None
-        if mode == "none":
-            # A replayed generation's first token came from its prefill lap too: the tokens
-            # decoded since go one per batch, as they were decoded (see ``replay``).
-            root, first = self._prefill(prompt, singles=max(0, replay - 1), want_root=True,
-                                        sampling=sampling, root_alone=replay > 0)
-        else:
-            root, _ = self._prefill(prompt, singles=replay)
+        drafter = self.drafter if mode != "none" else None
+
+        def begin_drafter() -> None:
+            if drafter is not None:
+                td = time.perf_counter()
+                drafter.begin(prompt)
+                self.stats.draft_s += time.perf_counter() - td
+
+        # A replayed generation's first token came from its prefill lap too: the tokens
+        # decoded since go one per batch, as they were decoded (see ``replay``).
+        root, first = self._prefill(prompt, singles=max(0, replay - 1), want_root=True,
+                                    sampling=sampling, root_alone=replay > 0,
+                                    while_waiting=begin_drafter)
+        assert first is not None  # want_root: the prefill brought the first token
         self.stats.prefill_s = time.perf_counter() - t0
-        if self.drafter is not None and mode != "none":
+        if drafter is not None:
             td = time.perf_counter()
-            self.drafter.begin(prompt)
+            drafter.accept([first])
             self.stats.draft_s += time.perf_counter() - td
         t1 = time.perf_counter()
         produced = 0
         self._room = max_tokens  # tokens the caller still wants (flow stops expanding past it)
         failed = False
-        if mode == "none":
-            steps = self._steps_none(root, sampling, first)
-        else:
-            steps = {"sync": self._steps_sync, "flow": self._steps_flow}[mode](root, sampling)
+        steps = self._steps(mode, root, first, sampling)
         try:
             for chunk in steps:
                 chunk = chunk[: max_tokens - produced]
@@ -198,9 +203,21 @@ class SpecEngine(NoneMode, SyncMode, FlowMode):
 
     # ------------------------------------------------------------------ prefill
 
+    def _steps(self, mode: str, root: int, first: int, sampling: Sampling
+               ) -> Iterator[list[int]]:
+        """The prefill's token (``root`` committed), then the mode's steps below it."""
+        self.stats.steps += 1
+        self.stats.plain_steps += 1  # no tree: a plain lap's token (the prefill's last lap)
+        self.stats.accepted_hist[1] += 1
+        if self.listeners:  # the prefill's last lap brought it
+            self._emit({"e": "plain", "lap": self._lap, "root": int(root), "token": int(first)})
+        yield [first]
+        yield from {"none": self._steps_none, "sync": self._steps_sync,
+                    "flow": self._steps_flow}[mode](first, sampling)
+
     def _prefill(self, prompt: list[int], singles: int = 0, want_root: bool = False,
-                 sampling: Sampling | None = None, root_alone: bool = False
-                 ) -> tuple[int, int | None]:
+                 sampling: Sampling | None = None, root_alone: bool = False,
+                 while_waiting: Callable[[], None] | None = None) -> tuple[int, int | None]:
         """Bring KV sequence 0 to ``prompt[:-1]``, reusing the longest common prefix with what
         is already committed; returns the root (the last prompt token) and None. The last
         ``singles`` tokens before the root go one per batch (see ``run``'s ``replay``).
@@ -208,7 +225,8 @@ class SpecEngine(NoneMode, SyncMode, FlowMode):
         ``want_root``: the root rides in the last chunk too, its row wanted (drawn with
         ``sampling``): it is committed and the target's token after it is returned as the
         second value (mode ``none``: the first token without a lap of its own);
-        ``root_alone``: in a batch of its own (a replay: it was decoded so)."""
+        ``root_alone``: in a batch of its own (a replay: it was decoded so);
+        ``while_waiting``: called once every chunk is sent, before their results are read."""
         keep = 0
         limit = min(len(self.history), len(prompt) - 1)
         while keep < limit and self.history[keep] == prompt[keep]:
@@ -244,8 +262,12 @@ class SpecEngine(NoneMode, SyncMode, FlowMode):
                                np.arange(n, dtype=np.int32), want, lap=self._new_lap(),
                                sampling=sampling if last and sampling else Sampling()))
         res = None
-        for _ in chunks:
-            res = self.chain.next_result()
+        try:
+            if while_waiting is not None:
+                while_waiting()
+        finally:  # read every chunk's result even if the callback failed: none is left over
+            for _ in chunks:
+                res = self.chain.next_result()
         self.history.extend(todo)
         if not want_root:
             return prompt[-1], None

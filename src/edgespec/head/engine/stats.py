@@ -27,7 +27,8 @@ class GenerationStats:
     budget: int = 0
     segment: int = 0
     recoveries: int = 0  # ring rebuilds after a node loss during this generation
-    plain_steps: int = 0  # steps decoded as a plain lap (no tree): all of them in mode none
+    plain_steps: int = 0  # steps with no tree (a plain lap, or the prefill's first token)
+    plain_laps: int = 0  # of those, the ones that waited for a lap of their own
     probes: int = 0  # flow: trials of tree steps after drafting had stopped paying
     # Plain laps: time from handing the batch to the chain to its result. What is left of
     # decode_s (in mode none) is the head's own work per token: engine, API, caller.
@@ -49,8 +50,8 @@ class GenerationStats:
             out.ttft_ms = earlier.ttft_ms
         out.queue_ms = earlier.queue_ms
         for name in ("prefill_tokens", "laps", "steps", "draft_s", "prefill_s", "decode_s",
-                     "rows_sent", "rows_pruned", "recoveries", "plain_steps", "probes",
-                     "plain_wait_s"):
+                     "rows_sent", "rows_pruned", "recoveries", "plain_steps", "plain_laps",
+                     "probes", "plain_wait_s"):
             setattr(out, name, getattr(out, name) + getattr(earlier, name))
         out.lap_timing = self.lap_timing.merged(earlier.lap_timing)
         return out
@@ -77,8 +78,8 @@ class GenerationStats:
             "rows_pruned": self.rows_pruned, "budget": self.budget, "segment": self.segment,
             "recoveries": self.recoveries, "plain_steps": self.plain_steps,
             "probes": self.probes,
-            "plain_lap_ms": round(self.plain_wait_s * 1e3 / self.plain_steps, 2)
-            if self.plain_steps else None,
+            "plain_lap_ms": round(self.plain_wait_s * 1e3 / self.plain_laps, 2)
+            if self.plain_laps else None,
             "lap_timing": self.lap_timing.as_dict(),
             "ttft_ms": round(self.ttft_ms, 2) if self.ttft_ms is not None else None,
             "queue_ms": round(self.queue_ms, 2),
