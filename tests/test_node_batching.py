@@ -21,7 +21,7 @@ import pytest
 from tinygguf import make_tiny_gguf
 
 from edgespec.batch import Batch, Sampling, SeqIds
-from edgespec.node.merge import MergeFence, concat_batches
+from edgespec.node.merge import MergeFence, concat_batches, gather
 from edgespec.node.runtime import StageRuntime
 from edgespec.node.slots import StageLoop, StageSlot
 from edgespec.node.worker import StageWorker
@@ -270,7 +270,7 @@ def test_loop_keeps_sequence_and_kv_order(windows) -> None:
     cut = len(ps[0])
     reset(rt0, rt1)
     # Chunks of one prompt (seq 1) never share a decode; the next request's batch (seq 2)
-    # joins the second chunk. Then a KV op (forget seq 1) sits between two merged decodes:
+    # joins the first chunk, ahead of the second (no sequence in common). Then a KV op (forget seq 1) sits between two merged decodes:
     # seq 1's prompt comes again from position 0, valid only if the op ran before it.
     forget = [KvOp(KvOpCode.RM, 1, -1, -1)]
     items = [("batch", prefill(1, p[:cut], lap=1, want_last=False), None),
@@ -301,6 +301,72 @@ def test_loop_keeps_sequence_and_kv_order(windows) -> None:
     got = Loop([rt0, rt1]).run([("batch", prefill(s, [7], lap=10 + s, start=len(ps[s])), None)
                                 for s in range(3)])
     assert sorted(got) == [10, 11, 12]
+
+
+def test_gather_lets_other_requests_pass_a_prompts_chunks() -> None:
+    """A decode of one request joins the decode of another's first prefill chunk instead of
+    waiting behind all its chunks; what stays behind keeps its order, and nothing moves past
+    a batch of the same sequence, one whose KV ops touch it, or ops on every sequence."""
+    import collections
+    import queue
+
+    def run(first, queued, cap=512):
+        inbox: queue.Queue = queue.Queue()
+        for it in queued:
+            inbox.put(it)
+        behind: collections.deque = collections.deque()
+        got = gather(inbox, first, cap, behind)
+        rest = list(behind) + [inbox.get_nowait() for _ in range(inbox.qsize())]
+        return [it[1].lap for it in got], [it if it is None or it[0] != "batch" else it[1].lap
+                                           for it in rest]
+
+    def b(seq, lap, n=1, ops=()):
+        x = prefill(seq, list(range(3, 3 + n)), lap=lap)
+        x.pre_ops = list(ops)
+        return ("batch", x, None)
+
+    chunks = [b(1, lap, n=64) for lap in (1, 2, 3)]
+    # seq 2's decode passes chunks 2 and 3 of seq 1; seq 1's own next batch never does
+    assert run(chunks[0], [*chunks[1:], b(2, 9), b(1, 10)]) == ([1, 9], [2, 3, 10])
+    # a passed-over batch's ops touch seq 2: seq 2 may not move ahead of it
+    assert run(chunks[0], [b(1, 4, ops=[KvOp(KvOpCode.RM, 2)]), b(2, 9)]) == ([1], [4, 9])
+    # nor may a batch whose own ops touch a passed-over sequence
+    assert run(chunks[0], [chunks[1], b(2, 9, ops=[KvOp(KvOpCode.CP, 2, -1, -1, 1)])]) == (
+        [1], [2, 9])
+    # ops that reach every sequence end the scan; so do KV items and the stop signal
+    keep = b(3, 4, ops=[KvOp(KvOpCode.KEEP, 3)])
+    assert run(chunks[0], [chunks[1], keep, b(2, 9)]) == ([1], [2, 4, 9])
+    kv = ("kv", [KvOp(KvOpCode.RM, 1)], 5)
+    assert run(chunks[0], [chunks[1], kv, b(2, 9)]) == ([1], [2, kv, 9])
+    assert run(chunks[0], [chunks[1], None, b(2, 9)]) == ([1], [2, None, 9])
+    # the row cap: a batch too big for this decode stays behind, a smaller one still joins
+    assert run(chunks[0], [b(4, 7, n=64), b(2, 9)], cap=96) == ([1, 9], [7])
+
+
+def test_loop_decode_rides_with_anothers_prefill_chunk(windows) -> None:
+    """Stage loops: a request's batch queued behind another prompt's three chunks runs in the
+    first chunk's decode, and every result equals the one of each request alone."""
+    (rt0, rt1), _ = windows
+    ps = prompts(4, rt0.n_vocab, seed=21)
+    p = ps[0] + ps[1] + ps[2]
+    a, c = len(ps[0]), len(ps[0]) + len(ps[1])
+    items = [("batch", prefill(1, p[:a], lap=1, want_last=False), None),
+             ("batch", prefill(1, p[a:c], lap=2, start=a, want_last=False), None),
+             ("batch", prefill(1, p[c:], lap=3, start=c), None),
+             ("batch", prefill(2, ps[3], lap=4), None)]
+    reset(rt0, rt1)
+    loop = Loop([rt0, rt1])
+    got = loop.run(items)
+    for k in (0, 1):
+        assert (loop.slots[k].batches, loop.slots[k].merged) == (4, 1)
+        windows_ = {lap: tuple(r.timing[k][2:4]) for lap, r in got.items()}
+        assert windows_[4] == windows_[1] != windows_[2]  # decoded with the first chunk
+    reset(rt0, rt1)
+    alone = Loop([rt0, rt1]).run([("batch", prefill(1, p, lap=3), None)])
+    reset(rt0, rt1)
+    alone.update(Loop([rt0, rt1]).run([("batch", prefill(2, ps[3], lap=4), None)]))
+    assert got[3].targets.tolist() == alone[3].targets.tolist()
+    assert got[4].targets.tolist() == alone[4].targets.tolist()
 
 
 # ------------------------------------------------------------------- node processes

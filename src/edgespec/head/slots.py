@@ -311,6 +311,7 @@ class SlotPool:
         for i in range(parallel):
             sc = SlotChain(self.demux, i, self.width)
             engine = make_engine(sc, i)
+            engine.sharers = self.busy  # trees and prefill chunks shrink as slots fill
             # Lap ids of different slots never meet (the demux routes by lap, stages prune
             # by lap): each slot draws from its own part of the lap space.
             engine.use_laps(i, parallel)

@@ -6,6 +6,7 @@ outputs, ``edgespec.node.slots`` takes them off a stage's inbox and forwards eac
 
 from __future__ import annotations
 
+import collections
 import queue
 from collections.abc import Sequence
 
@@ -16,8 +17,6 @@ from edgespec.tree.kvop import KvOp, KvOpCode
 
 #: Rows one merged decode may carry when the runtime does not say its ``n_batch``.
 MERGE_MAX_ROWS = 512
-#: What ``gather`` hands back when it took nothing past the batches it merged.
-NOTHING = ("nothing", None, None)
 
 
 def row_seqs(batch: Batch) -> set[int]:
@@ -46,21 +45,37 @@ class MergeFence:
     A batch is admitted when neither its rows nor its ``pre_ops`` touch a sequence that the
     rows admitted before it use. Two batches of one sequence (prefill chunks of one prompt,
     flow-mode segments of one tree) are never merged: the second continues the first's KV.
-    With slots (seq ids partitioned between requests) batches of different requests pass;
-    the caller stops at the first batch refused, so the order of work never changes.
+    With slots (seq ids partitioned between requests) batches of different requests pass.
+
+    A batch passed over (``skip``) stays behind, to run next in its order; a later batch may
+    still join, moving ahead of it, only if the two touch no common sequence either way (so a
+    request's decode rides along with another's prefill chunk instead of waiting behind all
+    of its chunks, docs/design.md 5.7). Nothing may move past KV operations that reach every
+    sequence: ``skip`` says False then, and the scan stops.
     """
 
     def __init__(self, first: Batch) -> None:
         self.rows = row_seqs(first)
+        self.skipped: set[int] = set()  # sequences of batches passed over
 
     def admit(self, batch: Batch) -> bool:
         touched = op_seqs(batch.pre_ops)
         if touched is None:
             return False
         rows = row_seqs(batch)
-        if not self.rows.isdisjoint(rows) or not self.rows.isdisjoint(touched):
+        mine = rows | touched
+        if not self.rows.isdisjoint(mine) or not self.skipped.isdisjoint(mine):
             return False
         self.rows |= rows
+        return True
+
+    def skip(self, batch: Batch) -> bool:
+        """``batch`` stays behind; False when nothing may move past it (its KV operations
+        reach sequences it does not name)."""
+        touched = op_seqs(batch.pre_ops)
+        if touched is None:
+            return False
+        self.skipped |= row_seqs(batch) | touched
         return True
 
 
@@ -81,24 +96,40 @@ def concat_batches(batches: Sequence[Batch]) -> Batch:
                  np.concatenate([b.want for b in batches]))
 
 
-def gather(inbox: queue.Queue, first: tuple, cap: int) -> tuple[list[tuple], tuple | None]:
-    """``first`` (a ``("batch", batch, hidden)`` item just taken off ``inbox``) and the batch
-    items already waiting behind it that may share its decode: taken in order while they pass
-    the ``MergeFence`` and keep the rows within ``cap``. Stops at the first item that is not
-    such a batch (KV operations, the stop signal None, a batch refused), which is handed back
-    to run next (``NOTHING`` when the inbox ran empty): nothing is reordered."""
+#: Queued items one ``gather`` looks through for batches that may join a decode.
+MERGE_LOOKAHEAD = 32
+
+
+def gather(inbox: queue.Queue, first: tuple, cap: int, behind: collections.deque) -> list[tuple]:
+    """``first`` (a ``("batch", batch, hidden)`` item just taken off ``inbox`` or ``behind``)
+    and the batch items waiting after it that may share its decode (``MergeFence``), rows
+    within ``cap``. ``behind`` holds items taken off the inbox earlier but not run yet; they
+    come first, in order. Items passed over go (back) into ``behind`` in their order, to run
+    next. The scan stops at KV operations, the stop signal None, a batch whose KV operations
+    reach every sequence, or after MERGE_LOOKAHEAD items."""
     items: list[tuple] = [first]
     rows = len(first[1])
     if rows >= cap:
-        return items, NOTHING
+        return items
     fence = MergeFence(first[1])
-    while True:
-        try:
-            nxt = inbox.get_nowait()
-        except queue.Empty:
-            return items, NOTHING
-        if (nxt is None or nxt[0] != "batch" or rows + len(nxt[1]) > cap
-                or not fence.admit(nxt[1])):
-            return items, nxt
-        items.append(nxt)
-        rows += len(nxt[1])
+    ahead = list(behind)  # what the scan looks at: ``behind``, then the inbox
+    behind.clear()
+    looked = 0
+    while looked < MERGE_LOOKAHEAD:
+        if looked == len(ahead):
+            try:
+                ahead.append(inbox.get_nowait())
+            except queue.Empty:
+                break
+        nxt = ahead[looked]
+        looked += 1
+        if (nxt is not None and nxt[0] == "batch" and rows + len(nxt[1]) <= cap
+                and fence.admit(nxt[1])):
+            items.append(nxt)
+            rows += len(nxt[1])
+            continue
+        behind.append(nxt)  # stays behind, in order
+        if nxt is None or nxt[0] != "batch" or not fence.skip(nxt[1]):
+            break
+    behind.extend(ahead[looked:])  # not looked at: still in order
+    return items

@@ -27,6 +27,7 @@ Apart from the control plane in ``daemon.py`` so each stays readable; ``Node`` i
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import queue
@@ -38,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from edgespec.laps import cpu_now, now, stamps_from_meta
-from edgespec.node.merge import MERGE_MAX_ROWS, NOTHING, gather
+from edgespec.node.merge import MERGE_MAX_ROWS, gather
 from edgespec.node.worker import StageWorker
 from edgespec.wire import FieldTag, Kind, Message, WireError, error_message, kv_ops_list
 from edgespec.wire import control as ctl
@@ -211,15 +212,15 @@ class StageLoop:
         return None
 
     def _run_slot(self, slot: StageSlot) -> None:
-        held: tuple | None = NOTHING  # an item gather() took but could not merge: next
+        behind: collections.deque = collections.deque()  # taken off the inbox, not run yet
         cap = int(getattr(slot.runtime, "n_batch", 0) or MERGE_MAX_ROWS)
         while True:
-            item, held = (slot.inbox.get() if held is NOTHING else held), NOTHING
+            item = behind.popleft() if behind else slot.inbox.get()
             if item is None:
                 return
             items = [item]
-            if item[0] == "batch" and not slot.inbox.empty():  # merged decodes: design.md 5.7
-                items, held = gather(slot.inbox, item, cap)
+            if item[0] == "batch" and (behind or not slot.inbox.empty()):
+                items = gather(slot.inbox, item, cap, behind)  # merged decodes: design.md 5.7
             try:
                 with slot.run_lock:
                     if len(items) == 1:

@@ -76,13 +76,19 @@ class CostModel:
         if nodes > 0:
             self.draft_ms = 0.8 * self.draft_ms + 0.2 * (ms / nodes)
 
-    def rate(self, budget: int) -> float:
-        """Predicted tokens per millisecond with a tree of ``budget`` drafted nodes."""
-        ms = self.lap_a + self.lap_b * (budget + 1) + self.draft_ms * budget
+    def rate(self, budget: int, users: int = 1) -> float:
+        """Predicted tokens per millisecond with a tree of ``budget`` drafted nodes.
+
+        ``users``: requests decoding on the ring at once, this one included. Their batches
+        share the stages, so each row this request adds delays the laps of all of them: a
+        row is charged ``users`` times its measured cost (the ring's tokens per second, not
+        this request's, is what the budget should maximise). One user: the plain model."""
+        ms = self.lap_a + users * self.lap_b * (budget + 1) + self.draft_ms * budget
         return (self.expected_tokens(budget) if budget else 1.0) / ms
 
-    def choose(self) -> int:
+    def choose(self, users: int = 1) -> int:
         """The budget with the best predicted rate; 0 means drafting does not pay (plain
-        decoding, one token per lap, beats every tree at the measured acceptance)."""
-        best = max(self.budgets, key=self.rate)
-        return best if self.rate(best) > self.rate(0) else 0
+        decoding, one token per lap, beats every tree at the measured acceptance). More
+        users sharing the ring, smaller trees (``rate``)."""
+        best = max(self.budgets, key=lambda b: self.rate(b, users))
+        return best if self.rate(best, users) > self.rate(0, users) else 0

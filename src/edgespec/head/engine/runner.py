@@ -92,6 +92,9 @@ class SpecEngine(NoneMode, SyncMode, FlowMode):
         self._last_choice: tuple | None = None
         # Observers of tree events (the server's live view); empty: no event is even built.
         self.listeners: list[Callable[[dict], None]] = []
+        # Requests decoding on this ring at once, this one included (a slot pool sets it,
+        # docs/design.md 5.8): the tree budget and prefill chunks are shared between them.
+        self.sharers: Callable[[], int] = lambda: 1
 
     # ------------------------------------------------------------------ public
 
@@ -215,6 +218,10 @@ class SpecEngine(NoneMode, SyncMode, FlowMode):
         yield from {"none": self._steps_none, "sync": self._steps_sync,
                     "flow": self._steps_flow}[mode](first, sampling)
 
+    #: Prefill chunk size (tokens) while other requests decode on the ring: a quarter of
+    #: the default chunk's rows to wait for, still a batch that fills the matmuls.
+    SHARED_PREFILL_CHUNK = 64
+
     def _prefill(self, prompt: list[int], singles: int = 0, want_root: bool = False,
                  sampling: Sampling | None = None, root_alone: bool = False,
                  while_waiting: Callable[[], None] | None = None) -> tuple[int, int | None]:
@@ -237,12 +244,15 @@ class SpecEngine(NoneMode, SyncMode, FlowMode):
         todo = prompt[keep:-1]
         self.stats.prefill_tokens = len(todo) + 1
         n_bulk = max(0, len(todo) - max(0, singles))
-        chunks = [todo[off: min(off + self.prefill_chunk, n_bulk)]
-                  for off in range(0, n_bulk, self.prefill_chunk)]
+        # Other requests decoding meanwhile: smaller chunks, so a decode batch that rides
+        # along with one at a stage (docs/design.md 5.7) waits less for it.
+        size = self.prefill_chunk if self.sharers() <= 1 else min(self.prefill_chunk,
+                                                                   self.SHARED_PREFILL_CHUNK)
+        chunks = [todo[off: min(off + size, n_bulk)] for off in range(0, n_bulk, size)]
         chunks += [[t] for t in todo[n_bulk:]]
         if want_root:
             if (not root_alone and chunks and n_bulk == len(todo)
-                    and len(chunks[-1]) < self.prefill_chunk):
+                    and len(chunks[-1]) < size):
                 chunks[-1] = [*chunks[-1], prompt[-1]]
             else:
                 chunks.append([prompt[-1]])

@@ -16,7 +16,7 @@ class SyncMode:
 
     def _budget(self) -> int:
         """Sync mode: nodes in the next tree (0: a plain step), from the cost model."""
-        b = self.fixed_budget or self.cost.choose()
+        b = self.fixed_budget or self.cost.choose(self.sharers())
         if b == 0:
             self._plain_steps += 1
             if self._plain_steps >= self.PROBE_EVERY:

@@ -1,0 +1,69 @@
+"""Several requests on one ring share it (docs/design.md 5.8): the tree budget each one's cost
+model chooses shrinks as more decode at once (one request: exactly today's choice), flow mode
+drafts less far ahead, and a prompt prefills in smaller chunks while others decode, with the
+same tokens as alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_auto_fallback import RightDrafter, _decode, _prompt, ring, tiny_target  # noqa: F401
+
+from edgespec.head.engine import SpecEngine
+from edgespec.head.engine.cost import CostModel
+
+
+def test_budget_shrinks_with_users_and_is_unchanged_for_one() -> None:
+    cost = CostModel(lap_ms=(40.0, 3.0))
+    cost.hits[:] = [8.0, 2.0, 1.0, 0.5]  # a drafter right 80% of the time at rank 0
+    alone = cost.choose()
+    assert alone > 0 and cost.choose(users=1) == alone
+    chosen = [cost.choose(users=k) for k in (1, 2, 4, 8, 32)]
+    assert all(b >= c for b, c in zip(chosen, chosen[1:], strict=False)), chosen
+    assert chosen[2] < alone  # 4 users: a smaller tree
+    assert chosen[-1] == 0  # so many that a row costs more than it brings: plain laps
+    # what the choice maximises: each extra row is charged to every user
+    assert cost.rate(8, users=4) == pytest.approx(
+        cost.expected_tokens(8) / (40.0 + 4 * 3.0 * 9 + cost.draft_ms * 8))
+
+
+def test_flow_drafts_ahead_less_with_more_users(ring) -> None:  # noqa: F811
+    engine = SpecEngine(ring.chain, n_ctx=1024)
+    engine.cost.hits[0] = 0.9 * engine.cost.tries[0]
+    limits = []
+    for k in (1, 2, 4):
+        engine.sharers = lambda k=k: k
+        limits.append(engine._ahead_limit())
+    assert engine._ahead_min_p() == pytest.approx(1 - 0.7 / 4)
+    assert limits[0] > limits[1] > limits[2] >= 1, limits
+
+
+def test_prefill_chunks_shrink_while_others_decode_same_tokens(ring) -> None:  # noqa: F811
+    rng = np.random.default_rng(5)
+    prompt = [int(t) for t in rng.integers(3, ring.tokenizer.n_vocab, 300)]
+    ref = _prompt(ring)  # any reference continuation: the drafter is right on it or not
+    sizes: dict[int, list[int]] = {}
+    outs = {}
+    for k in (1, 3):
+        engine = SpecEngine(ring.chain, n_ctx=1024,
+                            drafter=RightDrafter(prompt + ref, ring.tokenizer.n_vocab))
+        engine.sharers = lambda k=k: k
+        sent: list[int] = []
+        submit = engine.chain.submit
+
+        def spy(batch, submit=submit, sent=sent):
+            sent.append(len(batch))
+            submit(batch)
+
+        engine.chain.submit = spy
+        try:
+            outs[k] = {m: _decode(engine, prompt, 12, m) for m in ("none", "flow")}
+        finally:
+            del engine.chain.submit
+        engine.reset()
+        sizes[k] = sent
+    assert outs[1] == outs[3]
+    assert outs[1]["none"] == outs[1]["flow"]
+    # 300 prompt tokens: chunks of 256 + 44 alone; of 64 (4 full, then 44) with others
+    assert sizes[1][:2] == [256, 44]
+    assert sizes[3][:5] == [64, 64, 64, 64, 44]
