@@ -15,8 +15,9 @@ first to one ring then to the other (the order alternates cell by cell, so the h
 load hits both alike). Clients are admitted as ``edgespec serve`` admits them (its gate:
 up to S at once, the rest wait in arrival order); ``--via http`` sends them through a real
 ``edgespec serve`` app (uvicorn, in this process) over HTTP streaming instead of the Python
-API. Every prompt starts with its own comment line (``# request N``), so no request reuses
-another's KV cache: each pays its whole prefill.
+API. Every prompt starts with its own comment line (``# request <mode>-<clients>-<client>-<n>``),
+so no request reuses another's KV cache (each pays its whole prefill), and both rings of a
+cell get the same prompts.
 
 Per cell: aggregate tokens/s (all tokens / first submit to last token), per-request tokens/s
 (tokens / first to last token, as the client sees them), time to first token from submit
@@ -35,14 +36,13 @@ and ``<prefix>.md`` (the table).
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import shlex
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -140,8 +140,10 @@ class _Http:
 
 
 def run_cell(client: Any, prompts: list[str], clients: int, requests: int, n_tokens: int,
-             mode: str, uid: Callable[[], int]) -> list[dict[str, Any]]:
-    """``clients`` threads, each sending ``requests`` generations back to back."""
+             mode: str) -> list[dict[str, Any]]:
+    """``clients`` threads, each sending ``requests`` generations back to back. Request j of
+    client k opens with ``# request <mode>-<clients>-k-j``: the same text on both rings of a
+    cell (answers and their lengths follow the prompt), no other request's prefix on one."""
     out: list[dict[str, Any]] = []
     lock = threading.Lock()
     errors: list[BaseException] = []
@@ -150,7 +152,8 @@ def run_cell(client: Any, prompts: list[str], clients: int, requests: int, n_tok
         try:
             for j in range(requests):
                 i = (k * requests + j) % len(prompts)
-                rec = client.run(f"# request {uid()}\n{prompts[i]}", n_tokens, mode)
+                rec = client.run(f"# request {mode}-{clients}-{k}-{j}\n{prompts[i]}",
+                                 n_tokens, mode)
                 rec.update(client_id=k, prompt=i)
                 with lock:
                     out.append(rec)
@@ -316,7 +319,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     from edgespec.llm.models import resolve
 
     host = machine_info()
-    counter = itertools.count()
     rings: dict[str, Any] = {}
     links: list[Links] = []
     clients: dict[str, Any] = {}
@@ -342,8 +344,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 flip = not flip
                 got = {}
                 for name in order:
-                    recs = run_cell(clients[name], prompts, n, requests, n_tokens, m,
-                                    lambda: next(counter))
+                    recs = run_cell(clients[name], prompts, n, requests, n_tokens, m)
                     cell = {"mode": m, "clients": n, "ring": name,
                             "parallel": 1 if name == "fifo" else args.parallel,
                             **summarize(recs), "load_avg_1m": round(os.getloadavg()[0], 2)}

@@ -1,7 +1,6 @@
 """Several requests on one ring share it (docs/design.md 5.8): the tree budget each one's cost
-model chooses shrinks as more decode at once (one request: exactly today's choice), flow mode
-drafts less far ahead, and a prompt prefills in smaller chunks while others decode, with the
-same tokens as alone."""
+model chooses shrinks as more decode at once (one request: exactly today's choice), and a
+prompt prefills in smaller chunks while others decode, with the same tokens as alone."""
 
 from __future__ import annotations
 
@@ -25,17 +24,6 @@ def test_budget_shrinks_with_users_and_is_unchanged_for_one() -> None:
     # what the choice maximises: each extra row is charged to every user
     assert cost.rate(8, users=4) == pytest.approx(
         cost.expected_tokens(8) / (40.0 + 4 * 3.0 * 9 + cost.draft_ms * 8))
-
-
-def test_flow_drafts_ahead_less_with_more_users(ring) -> None:  # noqa: F811
-    engine = SpecEngine(ring.chain, n_ctx=1024)
-    engine.cost.hits[0] = 0.9 * engine.cost.tries[0]
-    limits = []
-    for k in (1, 2, 4):
-        engine.sharers = lambda k=k: k
-        limits.append(engine._ahead_limit())
-    assert engine._ahead_min_p() == pytest.approx(1 - 0.7 / 4)
-    assert limits[0] > limits[1] > limits[2] >= 1, limits
 
 
 def test_prefill_chunks_shrink_while_others_decode_same_tokens(ring) -> None:  # noqa: F811

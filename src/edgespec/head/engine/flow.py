@@ -149,18 +149,17 @@ class FlowMode:
     #: on the worst prompt).
     AHEAD_CHAIN = True
 
-    def _ahead_min_p(self) -> float:
-        """AHEAD_MIN_P for one request on the ring. With ``users`` decoding at once, a row
-        drafted ahead costs every one of them its compute when it is wasted, so it must be
-        likelier to be needed: 1 - (1 - AHEAD_MIN_P) / users (0.3, 0.65, 0.83 for 1, 2, 4)."""
-        return 1.0 - (1.0 - self.AHEAD_MIN_P) / max(1, self.sharers())
-
     def _ahead_limit(self) -> int:
         """Unverified rows worth having in flight: the depth k at which a chain of top-1 draft
         guesses, each accepted with the measured rate a, is still wholly accepted with
-        probability a**k >= _ahead_min_p() (a deeper row is more likely wasted work than not)."""
+        probability a**k >= AHEAD_MIN_P (a deeper row is more likely wasted work than not).
+
+        Not shrunk for other requests on the ring (as sync's budget is, docs/design.md 5.8):
+        with 2 requests at 1 - 0.7/2 it cut a good draft model's steps from 10-20 accepted
+        tokens to 1.4-2.9 and 2 clients' aggregate to 0.82x one at a time (1.5B/0.5B, 4
+        stages, 10 ms per hop); rows of several requests share a stage's decode instead."""
         a = float(min(max(self.cost.acceptance()[0], 1e-3), 0.999))
-        return max(1, min(self.max_depth, int(math.log(self._ahead_min_p()) / math.log(a))))
+        return max(1, min(self.max_depth, int(math.log(self.AHEAD_MIN_P) / math.log(a))))
 
     def _draft_ahead(self, rnd: TreeInFlight, sampling: Sampling, seg: int) -> bool:
         """Draft up to ``seg`` more nodes below the step's accepted frontier and send them as
@@ -187,7 +186,7 @@ class FlowMode:
             # frontier: below AHEAD_MIN_P, rows drafted under it are probably wasted.
             if (best_leaf >= 0 and
                     math.exp(float(scores[best_leaf]) - float(scores[rnd.frontier]))
-                    < self._ahead_min_p()):
+                    < self.AHEAD_MIN_P):
                 return False
             if self.AHEAD_CHAIN and best_leaf >= 0:
                 tokens = rnd.tree.tokens()

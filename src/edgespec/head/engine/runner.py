@@ -231,7 +231,7 @@ class SpecEngine(NoneMode, SyncMode, FlowMode):
 
         ``want_root``: the root rides in the last chunk too, its row wanted (drawn with
         ``sampling``): it is committed and the target's token after it is returned as the
-        second value (mode ``none``: the first token without a lap of its own);
+        second value (the generation's first token, without a lap of its own);
         ``root_alone``: in a batch of its own (a replay: it was decoded so);
         ``while_waiting``: called once every chunk is sent, before their results are read."""
         keep = 0
