@@ -83,11 +83,15 @@ class Decoder(threading.Thread):
             while not self.stop.is_set():
                 prompt = self.prompts[i % len(self.prompts)]
                 i += 1
-                for _piece in self.ring.stream_tokens(prompt, max_tokens=self.n_tokens,
-                                                      spec=self.mode, temperature=0.0):
-                    self.times.append(time.perf_counter())
-                    if self.stop.is_set():
-                        break
+                stream = self.ring.stream_tokens(prompt, max_tokens=self.n_tokens,
+                                                 spec=self.mode, temperature=0.0)
+                try:
+                    for _piece in stream:
+                        self.times.append(time.perf_counter())
+                        if self.stop.is_set():
+                            break
+                finally:
+                    stream.close()  # its slot is free now (see Ring.reset in run_busy)
         except BaseException as e:  # reported by the main thread
             self.error = e
 

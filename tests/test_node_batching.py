@@ -270,8 +270,10 @@ def test_loop_keeps_sequence_and_kv_order(windows) -> None:
     cut = len(ps[0])
     reset(rt0, rt1)
     # Chunks of one prompt (seq 1) never share a decode; the next request's batch (seq 2)
-    # joins the first chunk, ahead of the second (no sequence in common). Then a KV op (forget seq 1) sits between two merged decodes:
-    # seq 1's prompt comes again from position 0, valid only if the op ran before it.
+    # joins the first chunk, ahead of the second (no sequence in common). Then a KV op
+    # (forget seq 1) sits between decodes: seq 1's prompt comes again from position 0 (19
+    # rows), valid only if the op ran before it; on stage 0 the small batch of seq 3 queued
+    # after it goes first, on stage 1 (where it arrives first) the two merge.
     forget = [KvOp(KvOpCode.RM, 1, -1, -1)]
     items = [("batch", prefill(1, p[:cut], lap=1, want_last=False), None),
              ("batch", prefill(1, p[cut:], lap=2, start=cut), None),
@@ -281,8 +283,8 @@ def test_loop_keeps_sequence_and_kv_order(windows) -> None:
              ("batch", prefill(3, ps[2], lap=5), None)]
     loop = Loop([rt0, rt1])
     got = loop.run(items)
-    for k in (0, 1):
-        assert (loop.slots[k].batches, loop.slots[k].merged) == (5, 2)
+    assert len(p) == 19
+    assert [(loop.slots[k].batches, loop.slots[k].merged) for k in (0, 1)] == [(5, 1), (5, 2)]
     assert got[1].targets.tolist() == []
     # Seq 1 chunked, seq 1 whole after the op, seq 2 and seq 3 the same prompt: alike.
     assert got[2].targets.tolist() == got[4].targets.tolist()
@@ -310,12 +312,12 @@ def test_gather_lets_other_requests_pass_a_prompts_chunks() -> None:
     import collections
     import queue
 
-    def run(first, queued, cap=512):
+    def run(first, queued, cap=512, small_first=False):
         inbox: queue.Queue = queue.Queue()
         for it in queued:
             inbox.put(it)
         behind: collections.deque = collections.deque()
-        got = gather(inbox, first, cap, behind)
+        got = gather(inbox, first, cap, behind, small_first=small_first)
         rest = list(behind) + [inbox.get_nowait() for _ in range(inbox.qsize())]
         return [it[1].lap for it in got], [it if it is None or it[0] != "batch" else it[1].lap
                                            for it in rest]
@@ -341,6 +343,13 @@ def test_gather_lets_other_requests_pass_a_prompts_chunks() -> None:
     assert run(chunks[0], [chunks[1], None, b(2, 9)]) == ([1], [2, None, 9])
     # the row cap: a batch too big for this decode stays behind, a smaller one still joins
     assert run(chunks[0], [b(4, 7, n=64), b(2, 9)], cap=96) == ([1, 9], [7])
+    # Small first: decodes of other sequences (at most 16 rows) run before the chunk, which
+    # goes back to the front; nothing big, nothing of its sequence, nothing past a KV item.
+    assert run(chunks[0], [*chunks[1:], b(2, 9), b(3, 8, n=16), b(1, 10), b(4, 7, n=17)],
+               small_first=True) == ([9, 8], [1, 2, 3, 10, 7])
+    assert run(chunks[0], [kv, b(2, 9)], small_first=True) == ([1], [kv, 9])
+    assert run(chunks[0], [b(5, 6, n=20), chunks[1]], small_first=True) == ([1, 6], [2])
+    assert run(b(2, 9), [b(3, 8)], small_first=True) == ([9, 8], [])  # small itself: merges
 
 
 def test_loop_decode_rides_with_anothers_prefill_chunk(windows) -> None:

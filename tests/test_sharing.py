@@ -55,3 +55,24 @@ def test_prefill_chunks_shrink_while_others_decode_same_tokens(ring) -> None:  #
     # 300 prompt tokens: chunks of 256 + 44 alone; of 64 (4 full, then 44) with others
     assert sizes[1][:2] == [256, 44]
     assert sizes[3][:5] == [64, 64, 64, 64, 44]
+
+
+def test_stream_dropped_unfinished_frees_its_slot_without_gc(tiny_target) -> None:  # noqa: F811
+    """A caller that stops reading a stream and drops it (a ``break``, a thread that ends)
+    frees its slot at once: nothing waits for the garbage collector."""
+    import gc
+
+    from edgespec.api import Ring
+
+    with Ring.local(tiny_target, stages=2, processes=False, n_ctx=1024, parallel=2) as two:
+        prompt = _prompt(two)
+        gc.disable()
+        try:
+            stream = two.stream_tokens(prompt, max_tokens=32, spec="none")
+            next(stream)
+            assert two.pool.busy() == 1
+            del stream
+            assert two.pool.busy() == 0
+        finally:
+            gc.enable()
+        two.reset()  # takes every slot in turn: would wait forever on a held one

@@ -24,6 +24,7 @@ import contextlib
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -262,6 +263,7 @@ class Ring:
         stops = [s for s in stop if s]
         holdback = max((len(s) for s in stops), default=1) - 1
         stream = TextStream(iter(()))
+        this = weakref.ref(stream)  # no cycle: a stream dropped unfinished frees its slot now
 
         def pieces() -> Iterator[str]:
             t_start = time.perf_counter()
@@ -313,8 +315,9 @@ class Ring:
                 stats.tokens = len(tokens)
                 stats.queue_ms = queued * 1e3
                 slot.tokens = len(tokens)
-                stream.result = Generation(text, tokens, stats, finish, capped)
-                self.last = stream.result
+                self.last = Generation(text, tokens, stats, finish, capped)
+                if (held := this()) is not None:
+                    held.result = self.last
                 self._last_slot = slot
 
         stream._pieces = pieces()
@@ -403,10 +406,8 @@ class Ring:
         ``hint`` on bringing it back. ``probe``: ask every node for its health now (one
         control round trip each); else only what the head already knows. ``lap_timing``: the
         last answer's per-stage wait/compute and per-link transfer times (``edgespec.laps``).
-
-        Also the per-node rows ``edgespec ring status`` shows (``nodes``): the one typed view
-        of the ring (``edgespec.head.view``) is what ``ring status --json``, ``/v1/ring`` and
-        its web page show."""
+        Also the per-node rows of ``ring status`` (``nodes``): this one typed view of the ring
+        (``edgespec.head.view``) is what ``ring status --json`` and ``/v1/ring`` show."""
         from edgespec.head.view import view_of_chain
 
         view = view_of_chain(self.chain, self.model_name, self.n_ctx, probe=probe,
@@ -443,8 +444,7 @@ def _drafter_name(drafter: Any) -> str | None:
 def _gen_defaults(kwargs: dict[str, Any]) -> dict[str, Any]:
     out = {"max_tokens": 128, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0,
            "stop": (), "spec": None, "cancel": None}
-    unknown = set(kwargs) - set(out)
-    if unknown:
+    if unknown := set(kwargs) - set(out):
         raise TypeError(f"unexpected arguments: {sorted(unknown)}")
     out.update(kwargs)
     return out

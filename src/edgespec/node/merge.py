@@ -54,8 +54,8 @@ class MergeFence:
     sequence: ``skip`` says False then, and the scan stops.
     """
 
-    def __init__(self, first: Batch) -> None:
-        self.rows = row_seqs(first)
+    def __init__(self, first: Batch | None) -> None:
+        self.rows = row_seqs(first) if first is not None else set()
         self.skipped: set[int] = set()  # sequences of batches passed over
 
     def admit(self, batch: Batch) -> bool:
@@ -98,20 +98,44 @@ def concat_batches(batches: Sequence[Batch]) -> Batch:
 
 #: Queued items one ``gather`` looks through for batches that may join a decode.
 MERGE_LOOKAHEAD = 32
+#: A batch of at most this many rows is a decode's (a plain lap, a tree segment): it may go
+#: ahead of a bigger batch of another request (a prefill chunk) queued before it.
+SMALL_ROWS = 16
 
 
-def gather(inbox: queue.Queue, first: tuple, cap: int, behind: collections.deque) -> list[tuple]:
-    """``first`` (a ``("batch", batch, hidden)`` item just taken off ``inbox`` or ``behind``)
-    and the batch items waiting after it that may share its decode (``MergeFence``), rows
-    within ``cap``. ``behind`` holds items taken off the inbox earlier but not run yet; they
-    come first, in order. Items passed over go (back) into ``behind`` in their order, to run
-    next. The scan stops at KV operations, the stop signal None, a batch whose KV operations
-    reach every sequence, or after MERGE_LOOKAHEAD items."""
-    items: list[tuple] = [first]
-    rows = len(first[1])
-    if rows >= cap:
-        return items
-    fence = MergeFence(first[1])
+def gather(inbox: queue.Queue, first: tuple, cap: int, behind: collections.deque,
+           small_first: bool = True) -> list[tuple]:
+    """The batch items to run as one decode, ``first`` (a ``("batch", batch, hidden)`` item
+    just taken off ``inbox`` or ``behind``) and those waiting after it that may share its
+    decode (``MergeFence``), rows within ``cap``. ``behind`` holds items taken off the inbox
+    earlier but not run yet; they come first, in order. Items passed over go (back) into
+    ``behind`` in their order, to run next. The scan stops at KV operations, the stop signal
+    None, a batch whose KV operations reach every sequence, or after MERGE_LOOKAHEAD items.
+
+    Decodes first (``small_first``): when ``first`` is bigger than SMALL_ROWS (a prefill
+    chunk) and small batches of other sequences wait after it, those run now, as one decode,
+    and ``first`` goes back to the front of ``behind``: a long prompt delays other requests'
+    tokens by a chunk per stage at most, not by all its chunks. The caller passes
+    ``small_first=False`` when ``first`` was put back so once: a chunk yields once, and
+    then runs (taking along whatever may join it)."""
+    if small_first and len(first[1]) > SMALL_ROWS:
+        fence = MergeFence(None)
+        if fence.skip(first[1]):
+            smalls = _scan(inbox, fence, cap, 0, behind, SMALL_ROWS)
+            if smalls:
+                behind.appendleft(first)
+                return smalls
+    if len(first[1]) >= cap:
+        return [first]
+    return [first, *_scan(inbox, MergeFence(first[1]), cap, len(first[1]), behind, cap)]
+
+
+def _scan(inbox: queue.Queue, fence: MergeFence, cap: int, rows: int,
+          behind: collections.deque, max_rows: int) -> list[tuple]:
+    """Batch items (``behind`` first, then the inbox) of at most ``max_rows`` rows each that
+    pass ``fence``, within ``cap`` rows together with ``rows``; the others go into
+    ``behind``, in order (see ``gather``)."""
+    items: list[tuple] = []
     ahead = list(behind)  # what the scan looks at: ``behind``, then the inbox
     behind.clear()
     looked = 0
@@ -123,8 +147,8 @@ def gather(inbox: queue.Queue, first: tuple, cap: int, behind: collections.deque
                 break
         nxt = ahead[looked]
         looked += 1
-        if (nxt is not None and nxt[0] == "batch" and rows + len(nxt[1]) <= cap
-                and fence.admit(nxt[1])):
+        if (nxt is not None and nxt[0] == "batch" and len(nxt[1]) <= max_rows
+                and rows + len(nxt[1]) <= cap and fence.admit(nxt[1])):
             items.append(nxt)
             rows += len(nxt[1])
             continue

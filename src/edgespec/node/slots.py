@@ -214,17 +214,20 @@ class StageLoop:
     def _run_slot(self, slot: StageSlot) -> None:
         behind: collections.deque = collections.deque()  # taken off the inbox, not run yet
         cap = int(getattr(slot.runtime, "n_batch", 0) or MERGE_MAX_ROWS)
+        yielded: tuple | None = None  # a big batch that let small ones go first, once
         while True:
             item = behind.popleft() if behind else slot.inbox.get()
             if item is None:
                 return
             items = [item]
             if item[0] == "batch" and (behind or not slot.inbox.empty()):
-                items = gather(slot.inbox, item, cap, behind)  # merged decodes: design.md 5.7
+                # merged decodes, small batches first: design.md 5.7
+                items = gather(slot.inbox, item, cap, behind, small_first=item is not yielded)
+                yielded = item if items[0] is not item else None
             try:
                 with slot.run_lock:
                     if len(items) == 1:
-                        self._process(slot, item)
+                        self._process(slot, items[0])
                     else:
                         self._process_merged(slot, items)
             finally:

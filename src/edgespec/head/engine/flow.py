@@ -155,9 +155,10 @@ class FlowMode:
         probability a**k >= AHEAD_MIN_P (a deeper row is more likely wasted work than not).
 
         Not shrunk for other requests on the ring (as sync's budget is, docs/design.md 5.8):
-        with 2 requests at 1 - 0.7/2 it cut a good draft model's steps from 10-20 accepted
-        tokens to 1.4-2.9 and 2 clients' aggregate to 0.82x one at a time (1.5B/0.5B, 4
-        stages, 10 ms per hop); rows of several requests share a stage's decode instead."""
+        at 1 - 0.7/k for k requests, a good draft model's steps gained 1.4-2.9 tokens where
+        one at a time they gained 10-20, and 2 clients' aggregate fell to 0.82x one at a
+        time (1.5B/0.5B, 4 stages, 10 ms per hop; one run, whose two rings' prompts differed
+        in their first line); rows of several requests share a stage's decode instead."""
         a = float(min(max(self.cost.acceptance()[0], 1e-3), 0.999))
         return max(1, min(self.max_depth, int(math.log(self.AHEAD_MIN_P) / math.log(a))))
 
