@@ -9,6 +9,7 @@ both the session and the ring's node processes alive.
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import json
 import os
@@ -388,15 +389,29 @@ def test_banner_names_the_draft_model(real_model_path, tmp_path):
     assert f"drafting with draft model {real_model_path.name}" in banner, banner
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
-def test_terminating_the_chat_stops_its_local_ring(real_model_path, tmp_path, sig):
+def _signal_another_thread(pid: int, sig: int) -> None:
+    """Send ``sig`` to one of ``pid``'s threads other than the main one: where the kernel
+    may put a process-directed signal, and where Python's handler does not run."""
+    tids = [int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid]
+    assert tids, "the chat runs threads (node links, heartbeat)"
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.tgkill(pid, tids[-1], sig) != 0:  # glibc >= 2.30
+        raise OSError(ctypes.get_errno(), "tgkill")
+
+
+@pytest.mark.parametrize("sig,target", [(signal.SIGTERM, "process"), (signal.SIGHUP, "process"),
+                                        (signal.SIGHUP, "another thread")])
+def test_terminating_the_chat_stops_its_local_ring(real_model_path, tmp_path, sig, target):
     chat = _chat_in(tmp_path, real_model_path, "--local", "2")
     nodes: list[int] = []
     try:
         chat.expect(PROMPT, timeout=180)
         nodes = children(chat.pid)
         assert len(nodes) == 2, nodes
-        os.kill(chat.pid, sig)  # a service manager, or the terminal window closing
+        if target == "process":
+            os.kill(chat.pid, sig)  # a service manager, or the terminal window closing
+        else:
+            _signal_another_thread(chat.pid, sig)
         code = chat.wait()
         deadline = time.monotonic() + 30
         while any(alive(p) for p in nodes) and time.monotonic() < deadline:

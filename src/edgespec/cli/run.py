@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from edgespec.cli.common import MIN_CTX, _add, _at_least
+from edgespec.cli.hangup import exit_on_hangup
 
 # ------------------------------------------------------------------------------- run a ring
 
@@ -62,22 +63,10 @@ def _open_ring(args: argparse.Namespace):
                       verbose=args.verbose, draft_quant=args.draft_quant, **extra)
 
 
-def _exit_on_hangup() -> None:
-    """SIGTERM and SIGHUP (a closed terminal window) end the command as Ctrl-C does: through
-    its ``with`` blocks, so a local ring's node processes are stopped, not left orphaned."""
-    import signal
-
-    def stop(signum: int, _frame: object) -> None:
-        raise SystemExit(128 + signum)
-
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, stop)
-
-
 def _chat(args: argparse.Namespace) -> int:
     from edgespec.chat import run_chat, run_server_chat
 
-    _exit_on_hangup()
+    exit_on_hangup()
 
     if args.server:
         if args.local is not None:
@@ -188,7 +177,7 @@ def _add_serve(sub) -> None:
 def _demo(args: argparse.Namespace) -> int:
     from edgespec.demo import run_demo
 
-    _exit_on_hangup()
+    exit_on_hangup()
     return run_demo(args)
 
 
