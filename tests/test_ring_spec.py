@@ -109,3 +109,20 @@ def test_multi_turn_reuses_kv(ring2):
     second = ring2.generate(follow + extra, max_tokens=4, spec="none")
     # Only the last answer token (never in KV) and the new text are computed.
     assert second.stats.prefill_tokens == len(extra) + 1
+
+
+@pytest.mark.parametrize("mode", ["none", "flow"])
+def test_ignore_eos_goes_on_to_max_tokens(ring2, mode):
+    """``ignore_eos`` (benchmarks: every answer as long as asked) keeps the answer up to its
+    end-of-generation token as it was, then goes on to ``max_tokens``."""
+    msgs = [{"role": "user", "content": "Reply with the single word yes."}]
+    ring2.reset()
+    short = ring2.chat(msgs, max_tokens=24, spec=mode)
+    assert short.finish_reason == "stop" and len(short.tokens) < 12, short
+    ring2.reset()
+    long = ring2.chat(msgs, max_tokens=24, spec=mode, ignore_eos=True)
+    assert long.finish_reason == "length" and len(long.tokens) == 24
+    k = len(short.tokens)
+    assert long.tokens[:k] == short.tokens
+    assert ring2.tokenizer.is_eog(long.tokens[k])  # kept, as a token without text
+    assert long.text.startswith(short.text)

@@ -112,7 +112,7 @@ def test_gate_with_no_queue_serves_only_when_idle():
     ({"n": 2}, "n"), ({"max_tokens": True}, "max_tokens"), ({"stream": "yes"}, "stream"),
     ({"stream_options": "x"}, "stream_options"),
     ({"stream_options": {"include_usage": 1}}, "stream_options"),
-    ({"spec": "fast"}, "spec"), ({"model": 5}, "model"),
+    ({"spec": "fast"}, "spec"), ({"model": 5}, "model"), ({"ignore_eos": 1}, "ignore_eos"),
 ])
 def test_sampling_arguments_are_validated(body, param):
     for chat, base in ((False, {"prompt": "x"}),
@@ -143,13 +143,14 @@ def test_request_shapes_are_validated(body, chat, param):
 def test_valid_requests_and_defaults():
     args = _sampling_args({"max_completion_tokens": 7, "stop": "\n", "seed": -1})
     assert args == {"max_tokens": 7, "temperature": 1.0, "top_p": 1.0, "top_k": 0,
-                    "seed": (1 << 64) - 1, "stop": ["\n"]}
+                    "seed": (1 << 64) - 1, "stop": ["\n"], "ignore_eos": False}
     assert _sampling_args({})["max_tokens"] is None  # decided per endpoint and prompt
     # null means the default, as OpenAI treats it; integers are fine for float fields.
     args = _sampling_args({"temperature": None, "top_p": 1, "top_k": 40, "n": 1,
                            "stop": ["a", "b"], "user": "ignored", "max_tokens": 3})
     assert args == {"max_tokens": 3, "temperature": 1.0, "top_p": 1.0, "top_k": 40,
-                    "seed": 0, "stop": ["a", "b"]}
+                    "seed": 0, "stop": ["a", "b"], "ignore_eos": False}
+    assert _sampling_args({"ignore_eos": True})["ignore_eos"] is True
     req = parse_request(b'{"messages": [{"role": "system", "content": "s"}, {"role": "user", '
                         b'"content": [{"type": "text", "text": "a"}, {"type": "text", '
                         b'"text": "b"}]}], "stream": true, '

@@ -1,5 +1,8 @@
 """Python API: ``from edgespec import Ring``.
 
+Over 450 lines: the whole user-facing API of a ring (open, generate, chat, stream, observe,
+close) is one class, read in one place; the work is in the modules it names.
+
 >>> with Ring.local("qwen2.5-coder-0.5b", stages=2) as ring:          # doctest: +SKIP
 ...     out = ring.generate("def fib(n):", max_tokens=64)
 ...     print(out.text, out.stats.tokens_per_s)
@@ -250,8 +253,8 @@ class Ring:
 
     def _stream_tokens(self, prompt_tokens: list[int], *, max_tokens: int, temperature: float,
                        top_p: float, top_k: int, seed: int, stop: Sequence[str],
-                       spec: SpecMode | None, cancel: threading.Event | None = None
-                       ) -> TextStream:
+                       spec: SpecMode | None, cancel: threading.Event | None = None,
+                       ignore_eos: bool = False) -> TextStream:
         mode = spec or self.default_spec
         asked = max_tokens
         sampling, max_tokens = self._check_request(prompt_tokens, max_tokens, temperature,
@@ -280,11 +283,11 @@ class Ring:
                 slot.requests += 1
                 chunks = slot.session.tokens(prompt_tokens, max_tokens=max_tokens,
                                              sampling=sampling, mode=mode, cancel=cancel,
-                                             t_start=t_start)
+                                             t_start=t_start, ignore_eos=ignore_eos)
                 try:
                     for chunk in chunks:
                         for t in chunk:
-                            if self.tokenizer.is_eog(t):
+                            if not ignore_eos and self.tokenizer.is_eog(t):
                                 finish, done = "stop", True
                                 break
                             tokens.append(t)
@@ -330,18 +333,23 @@ class Ring:
 
     def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 128,
                temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
-               stop: Sequence[str] = (), spec: SpecMode | None = None) -> TextStream:
-        """Stream the continuation of ``prompt`` (text or token ids) as text pieces."""
+               stop: Sequence[str] = (), spec: SpecMode | None = None,
+               ignore_eos: bool = False) -> TextStream:
+        """Stream the continuation of ``prompt`` (text or token ids) as text pieces.
+        ``ignore_eos``: go on past end-of-generation tokens to ``max_tokens`` (for
+        benchmarks: every answer as long as asked; the tokens are kept, their text is
+        empty)."""
         return self._stream_tokens(self._prompt_tokens(prompt), max_tokens=max_tokens,
                                    temperature=temperature, top_p=top_p, top_k=top_k,
-                                   seed=seed, stop=stop, spec=spec)
+                                   seed=seed, stop=stop, spec=spec, ignore_eos=ignore_eos)
 
     def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 128,
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
-                 stop: Sequence[str] = (), spec: SpecMode | None = None) -> Generation:
+                 stop: Sequence[str] = (), spec: SpecMode | None = None,
+                 ignore_eos: bool = False) -> Generation:
         """Generate a continuation of ``prompt``; greedy by default (``temperature=0``)."""
         s = self.stream(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                        top_k=top_k, seed=seed, stop=stop, spec=spec)
+                        top_k=top_k, seed=seed, stop=stop, spec=spec, ignore_eos=ignore_eos)
         for _ in s:
             pass
         assert s.result is not None
@@ -443,7 +451,7 @@ def _drafter_name(drafter: Any) -> str | None:
 
 def _gen_defaults(kwargs: dict[str, Any]) -> dict[str, Any]:
     out = {"max_tokens": 128, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0,
-           "stop": (), "spec": None, "cancel": None}
+           "stop": (), "spec": None, "cancel": None, "ignore_eos": False}
     if unknown := set(kwargs) - set(out):
         raise TypeError(f"unexpected arguments: {sorted(unknown)}")
     out.update(kwargs)

@@ -43,7 +43,7 @@ class Session:
 
     def tokens(self, prompt_tokens: list[int], *, max_tokens: int, sampling: Sampling,
                mode: str, cancel: threading.Event | None = None,
-               t_start: float | None = None) -> Iterator[list[int]]:
+               t_start: float | None = None, ignore_eos: bool = False) -> Iterator[list[int]]:
         """The accepted tokens of one generation, chunk by chunk, across ring rebuilds.
 
         Close the iterator when done with it (also when stopping early): the engine's
@@ -55,7 +55,8 @@ class Session:
             while True:
                 run = self.engine.run(prompt_tokens + tokens, max_tokens=max_tokens - len(tokens),
                                       sampling=sampling, mode=mode, cancel=cancel,
-                                      replay=len(tokens), t_start=t_start)
+                                      replay=len(tokens), t_start=t_start,
+                                      ignore_eos=ignore_eos)
                 try:
                     for chunk in run:
                         tokens.extend(chunk)

@@ -70,6 +70,8 @@ class _Sampling(BaseModel):
     stream_options: _StreamOptions | None = None
     # edgespec's own: the speculative mode for this request (the web page's control).
     spec: Literal["auto", "none", "sync", "flow"] | None = None
+    # As llama-server and vLLM take it: go on past end-of-generation to max_tokens (benchmarks).
+    ignore_eos: Annotated[bool, Field(strict=True)] | None = None
 
 
 class _ChatRequest(_Sampling):
@@ -102,6 +104,7 @@ _FIELD_HELP = {
     "stream_options": "'stream_options' must be an object like {\"include_usage\": true}",
     "model": "'model' must be a string",
     "spec": "'spec' must be one of auto, none, sync, flow",
+    "ignore_eos": "'ignore_eos' must be true or false",
 }
 
 
@@ -139,4 +142,5 @@ def _sampling_args(req: _Sampling | dict[str, Any]) -> dict[str, Any]:
         "top_k": 0 if req.top_k is None else req.top_k,
         "seed": 0 if req.seed is None else req.seed % (1 << 64),
         "stop": [stop] if isinstance(stop, str) else list(stop),
+        "ignore_eos": bool(req.ignore_eos),
     }

@@ -124,13 +124,15 @@ class SpecEngine(NoneMode, SyncMode, FlowMode):
 
     def run(self, prompt: Sequence[int], *, max_tokens: int, sampling: Sampling,
             mode: str = "auto", cancel: threading.Event | None = None,
-            replay: int = 0, t_start: float | None = None) -> Iterator[list[int]]:
+            replay: int = 0, t_start: float | None = None, ignore_eos: bool = False
+            ) -> Iterator[list[int]]:
         """Generate after ``prompt``; yields the tokens gained by each step, in order.
 
-        Stops after an end-of-generation token (which is yielded), ``max_tokens`` tokens, or
-        at the next step once ``cancel`` is set. ``replay``: the last ``replay`` tokens before
-        the prompt's last one are recomputed one per batch, as they were first decoded, so a
-        generation resumed on a rebuilt ring sees the same numbers as the original.
+        Stops after an end-of-generation token (which is yielded; ``ignore_eos``: not even
+        then), ``max_tokens`` tokens, or at the next step once ``cancel`` is set.
+        ``replay``: the last ``replay`` tokens before the prompt's last one are recomputed one
+        per batch, as they were first decoded, so a generation resumed on a rebuilt ring sees
+        the same numbers as the original.
         ``t_start``: when the request began (``time.perf_counter``), for the time to first
         token (default: now).
 
@@ -177,7 +179,8 @@ class SpecEngine(NoneMode, SyncMode, FlowMode):
         try:
             for chunk in steps:
                 chunk = chunk[: max_tokens - produced]
-                eog = next((i for i, t in enumerate(chunk) if self.is_eog(t)), None)
+                eog = None if ignore_eos else next(
+                    (i for i, t in enumerate(chunk) if self.is_eog(t)), None)
                 if eog is not None:
                     chunk = chunk[: eog + 1]
                 if produced == 0 and chunk:
