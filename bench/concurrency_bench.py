@@ -17,7 +17,11 @@ up to S at once, the rest wait in arrival order); ``--via http`` sends them thro
 ``edgespec serve`` app (uvicorn, in this process) over HTTP streaming instead of the Python
 API. Every prompt starts with its own comment line (``# request <mode>-<clients>-<client>-<n>``),
 so no request reuses another's KV cache (each pays its whole prefill), and both rings of a
-cell get the same prompts.
+cell get the same prompts. Every answer is ``--tokens`` long (``ignore_eos``, as vLLM's and
+llama.cpp's serving benchmarks do): with C clients on C slots, a cell lasts as long as its
+busiest client, so answers that stop at their own end would measure how unevenly long they
+happen to be (stop 15: one client's two answers were 28 and 61 tokens, another's 111 and 128)
+rather than the ring. ``--stop-at-eos`` lets them end on their own.
 
 Per cell: aggregate tokens/s (all tokens / first submit to last token), per-request tokens/s
 (tokens / first to last token, as the client sees them), time to first token from submit
@@ -60,8 +64,9 @@ from edgespec.server.gate import _Gate  # noqa: E402  (the server's admission)
 class _Api:
     """Requests through the Python API, admitted by the server's gate."""
 
-    def __init__(self, ring: Any, parallel: int) -> None:
+    def __init__(self, ring: Any, parallel: int, ignore_eos: bool) -> None:
         self.ring, self.gate = ring, _Gate(max_queue=4096, parallel=parallel)
+        self.ignore_eos = ignore_eos
 
     def run(self, prompt: str, n_tokens: int, mode: str) -> dict[str, Any]:
         tokens = self.ring.tokenizer.encode(prompt, add_special=True, parse_special=False)
@@ -71,7 +76,7 @@ class _Api:
         try:
             t_in = time.perf_counter()
             stream = self.ring.stream_tokens(tokens, max_tokens=n_tokens, temperature=0.0,
-                                             spec=mode)
+                                             spec=mode, ignore_eos=self.ignore_eos)
             first = None
             for _piece in stream:
                 first = first or time.perf_counter()
@@ -90,12 +95,13 @@ class _Api:
 class _Http:
     """Requests to a real ``edgespec serve`` app (uvicorn in this process), streamed."""
 
-    def __init__(self, ring: Any, parallel: int) -> None:
+    def __init__(self, ring: Any, parallel: int, ignore_eos: bool) -> None:
         import uvicorn
 
         from edgespec.server.app import create_app
 
         del parallel  # the app takes it from the ring
+        self.ignore_eos = ignore_eos
         self.app = create_app(ring, "bench", max_queue=4096)
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0,
                                                     log_level="warning"))
@@ -109,7 +115,8 @@ class _Http:
         import http.client
 
         body = {"prompt": prompt, "max_tokens": n_tokens, "temperature": 0, "spec": mode,
-                "stream": True, "stream_options": {"include_usage": True}}
+                "stream": True, "stream_options": {"include_usage": True},
+                "ignore_eos": self.ignore_eos}
         t0 = time.perf_counter()
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=3600)
         conn.request("POST", "/v1/completions", json.dumps(body),
@@ -287,6 +294,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--n-ctx", type=int, default=4096, help="of each ring (slots share it)")
     ap.add_argument("--threads", type=int, default=1, help="llama.cpp threads per stage")
     ap.add_argument("--via", choices=("api", "http"), default="api")
+    ap.add_argument("--stop-at-eos", action="store_true",
+                    help="answers end at their end-of-generation token (default: every answer "
+                         "is --tokens long, ignore_eos)")
     ap.add_argument("--no-projection", action="store_true")
     ap.add_argument("--out", default="bench/results/")
     ap.add_argument("--name", default=None)
@@ -333,7 +343,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             rings[name] = Ring.local(target, stages=stages, draft=draft, proxy=lk.proxy,
                                      threads=args.threads, n_ctx=args.n_ctx, spec="none",
                                      **extra)
-            clients[name] = (_Http if args.via == "http" else _Api)(rings[name], par)
+            clients[name] = (_Http if args.via == "http" else _Api)(rings[name], par,
+                                                                    not args.stop_at_eos)
             log(f"{name} ring up (parallel={par}) in {time.perf_counter() - t:.1f} s")
             for m in modes:  # warm-up: weights paged in, the cost model has a few laps
                 clients[name].run(f"# warm-up\n{prompts[0]}", 8, m)
@@ -373,7 +384,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = {"target": target, "draft": draft, "stages": stages, "hop_ms": args.hop_ms,
                 "modes": modes, "clients": counts, "parallel": args.parallel,
                 "requests_per_client": requests, "tokens": n_tokens, "n_ctx": args.n_ctx,
-                "threads": args.threads, "via": args.via}
+                "threads": args.threads, "via": args.via, "ignore_eos": not args.stop_at_eos}
     report = {"machine": host, "settings": settings, "command": command, "cells": cells,
               "projection": proj, "requests": raw}
     (out / f"{prefix}.json").write_text(json.dumps(report, indent=1))
