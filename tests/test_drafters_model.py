@@ -18,6 +18,7 @@ from edgespec.drafters import HybridDrafter, RetrievalDrafter
 from edgespec.drafters.model import DraftModelDrafter
 from edgespec.drafters.tokenizer import TokenizerMismatchError, tokenizer_fingerprint
 from edgespec.llm.llamacpp import load_model, new_context
+from edgespec.llm.shared_model import holders_of
 from edgespec.llm.tokenizer import Tokenizer
 
 
@@ -111,6 +112,28 @@ def test_top1_chain_equals_own_greedy_decoding(tiny: dict[str, Path], draft_ref:
         assert len(best) >= 2 and best == greedy[: len(best)]
         # best-first: the tree is in descending cumulative score, hence parents-first
         assert np.all(np.diff(tree.scores()) <= 1e-6)
+
+
+def test_drafters_of_one_model_share_its_weights(tiny: dict[str, Path],
+                                                 draft_ref: Reference) -> None:
+    """A ring's slots each draft on their own context, over one loaded copy of the model
+    (edgespec.llm.shared_model); one slot's drafter closing leaves the others drafting."""
+    greedy = draft_ref.greedy(PROMPT, 6)
+    a = DraftModelDrafter(tiny["draft"], None, n_ctx=256, top_k=1)
+    b = DraftModelDrafter(tiny["draft"], None, n_ctx=256, top_k=1)
+    try:
+        assert a._model is b._model and holders_of(tiny["draft"]) == 2
+        a.begin(PROMPT)
+        b.begin(PROMPT[:-2])  # a different history in each context
+        assert a.propose(PROMPT[-1], budget=6, max_depth=6).tokens.tolist() == greedy
+        a.close()
+        assert holders_of(tiny["draft"]) == 1 and not b._model.closed
+        b.begin(PROMPT)
+        assert b.propose(PROMPT[-1], budget=6, max_depth=6).tokens.tolist() == greedy
+    finally:
+        a.close()
+        b.close()
+    assert holders_of(tiny["draft"]) == 0
 
 
 def test_budget_depth_and_parents_first(tiny: dict[str, Path]) -> None:

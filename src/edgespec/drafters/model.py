@@ -37,7 +37,8 @@ from edgespec.drafters.tokenizer import (
     fingerprint_of,
 )
 from edgespec.llm import capi
-from edgespec.llm.llamacpp import Closing, Context, Model, load_model, new_context
+from edgespec.llm.llamacpp import Closing, Context, Model, new_context
+from edgespec.llm.shared_model import acquire_model, release_model
 
 __all__ = ["DraftModelDrafter"]
 
@@ -110,7 +111,10 @@ class DraftModelDrafter(Drafter, Closing):
         self._model: Model | None = None
         self._ctx: Context | None = None
         self._batch: capi.llama_batch | None = None
-        self._model = load_model(self.model_path)  # extra buffers unless AMX (docs/design.md 3.6)
+        # One copy of the weights for every drafter of this model in the process (a ring's
+        # slots each draft on their own context; edgespec.llm.shared_model). Extra buffer
+        # types unless AMX (docs/design.md 3.6).
+        self._model = acquire_model(self.model_path)
         try:
             self.fingerprint = fingerprint_of(self._model)
             # Proposals stay inside both vocabularies (padding may differ in size).
@@ -153,7 +157,7 @@ class DraftModelDrafter(Drafter, Closing):
     # -- lifetime ---------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Free the llama.cpp context, batch and model (idempotent)."""
+        """Free the llama.cpp context and batch, and give the model back (idempotent)."""
         if self._batch is not None:
             capi.llama_batch_free(self._batch)
             self._batch = None
@@ -161,7 +165,7 @@ class DraftModelDrafter(Drafter, Closing):
             self._ctx.close()
             self._ctx = None
         if self._model is not None:
-            self._model.close()
+            release_model(self._model)
             self._model = None
 
 
