@@ -4,6 +4,8 @@ prompt prefills in smaller chunks while others decode, with the same tokens as a
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from test_auto_fallback import RightDrafter, _decode, _prompt, ring, tiny_target  # noqa: F401
@@ -24,6 +26,20 @@ def test_budget_shrinks_with_users_and_is_unchanged_for_one() -> None:
     # what the choice maximises: each extra row is charged to every user
     assert cost.rate(8, users=4) == pytest.approx(
         cost.expected_tokens(8) / (40.0 + 4 * 3.0 * 9 + cost.draft_ms * 8))
+
+
+def test_flow_drafts_less_far_ahead_while_others_decode(ring) -> None:  # noqa: F811
+    engine = SpecEngine(ring.chain, n_ctx=1024)
+    engine.cost.hits[0], engine.cost.tries[0] = 95.0, 100.0  # top-1 draft right 95%
+    limits = []
+    for k in (1, 2, 4, 8):
+        engine.sharers = lambda k=k: k
+        limits.append(engine._ahead_limit())
+    # alone: as deep as a chain of top-1 guesses stays >= 0.3 likely (0.95**23 = 0.307)
+    assert limits[0] == min(engine.max_depth, 23)
+    assert all(a >= b for a, b in zip(limits, limits[1:], strict=False)), limits
+    assert limits[2] == int(math.log(1 - 0.7 * 0.75 ** 3) / math.log(0.95)) < limits[0]
+    assert limits[-1] >= 1
 
 
 def test_prefill_chunks_shrink_while_others_decode_same_tokens(ring) -> None:  # noqa: F811

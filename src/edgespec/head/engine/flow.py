@@ -143,6 +143,12 @@ class FlowMode:
     #: measured top-1 acceptance (_ahead_limit) and by the draft's own odds of the path to it.
     #: (10 ms hops, 4 prompts, x none: 0.15 -> 1.89, 0.3 -> 1.89, 0.5 -> 1.79.)
     AHEAD_MIN_P = 0.3
+    #: How much less waste each further request decoding allows (_ahead_limit). 1.5B/0.5B,
+    #: 4 stages, 10 ms per hop, 4 clients on 4 slots, two reps each (tok/s): 0 -> 15.95,
+    #: 14.59; 0.1 -> 16.75, 15.34; 0.25 -> 17.52, 16.78; 0.4 -> 16.21, 15.08; 0.6 -> 15.57,
+    #: 15.16 (the rep-to-rep noise is about 1 tok/s). Stop 15 tried 1 - 0.7/k (about 0.37
+    #: here) once, with different prompts on the two rings it compared, and took it out.
+    AHEAD_SHARED = 0.25
     #: Draft ahead along the likeliest leaf only (a chain), not best-first over the whole
     #: subtree: siblings were wasted rows more often than saved laps (10 ms hops, 4 prompts,
     #: 1-row segments: 1.89x none with chains, 1.81x best-first, which pruned 43% of the rows
@@ -154,13 +160,13 @@ class FlowMode:
         guesses, each accepted with the measured rate a, is still wholly accepted with
         probability a**k >= AHEAD_MIN_P (a deeper row is more likely wasted work than not).
 
-        Not shrunk for other requests on the ring (as sync's budget is, docs/design.md 5.8):
-        at 1 - 0.7/k for k requests, a good draft model's steps gained 1.4-2.9 tokens where
-        one at a time they gained 10-20, and 2 clients' aggregate fell to 0.82x one at a
-        time (1.5B/0.5B, 4 stages, 10 ms per hop; one run, whose two rings' prompts differed
-        in their first line); rows of several requests share a stage's decode instead."""
+        Shrunk, gently, while other requests decode (docs/design.md 5.8): a row wasted then
+        is compute taken from them, on a ring that their rows keep busy anyway."""
         a = float(min(max(self.cost.acceptance()[0], 1e-3), 0.999))
-        return max(1, min(self.max_depth, int(math.log(self.AHEAD_MIN_P) / math.log(a))))
+        # With k requests decoding, the allowance for waste shrinks by AHEAD_SHARED for
+        # each other one (0.3 alone, 0.49 for 2, 0.61 for 3, 0.70 for 4).
+        need = 1.0 - (1.0 - self.AHEAD_MIN_P) * (1.0 - self.AHEAD_SHARED) ** (self.sharers() - 1)
+        return max(1, min(self.max_depth, int(math.log(need) / math.log(a))))
 
     def _draft_ahead(self, rnd: TreeInFlight, sampling: Sampling, seg: int) -> bool:
         """Draft up to ``seg`` more nodes below the step's accepted frontier and send them as
