@@ -46,16 +46,11 @@ class GainMeter:
     #: Mean tokens per tree step (over the last 32, across generations) from which a
     #: one-token step does not end a trial.
     LIKELY_TOKENS = 2.5
-    #: Tree steps (across generations) the long-run judgement looks back on, and how many it
-    #: needs: a lost trial keeps its trees while they pay over this longer run (``pays``).
-    LONG_RUN = 32
-    LONG_RUN_MIN = 8
 
     def __init__(self) -> None:
         self.plain_ms: float | None = None
         self._backoff = self.FIRST_WAIT
         self._history: deque[int] = deque(maxlen=32)  # tokens of recent tree steps
-        self._long: deque[tuple[int, float]] = deque(maxlen=self.LONG_RUN)  # (tokens, s)
         self.begin()
 
     def begin(self) -> None:
@@ -89,25 +84,13 @@ class GainMeter:
 
     def pays(self) -> bool:
         """Recent tree steps gained more than one token per step and MARGIN times the tokens
-        per second of plain laps, in this generation's window or, when that window is a
-        trial that gained several tokens, over the last LONG_RUN tree steps of any
-        generation. A good draft model's first steps of an answer often gain 2-3 tokens
-        where its later ones gain 20-80 (1.5B/0.5B, 4 stages, 10 ms per hop, code
-        prompts): judged on those first steps alone, most generations spent 10-34 steps on
-        plain laps, at about 13 tok/s where those that kept their trees made 16-20."""
+        per second of plain laps."""
         if not self._tree or self.plain_ms is None:
             return False
         tokens = sum(t for t, _ in self._tree)
+        seconds = sum(s for _, s in self._tree)
         if tokens <= len(self._tree):  # one token per step: what a plain lap gives
             return False
-        if self._beats_plain(self._tree):
-            return True
-        return len(self._long) >= self.LONG_RUN_MIN and self._beats_plain(self._long)
-
-    def _beats_plain(self, steps: deque[tuple[int, float]]) -> bool:
-        tokens = sum(t for t, _ in steps)
-        seconds = sum(s for _, s in steps)
-        assert self.plain_ms is not None
         return tokens / max(seconds, 1e-9) > self.MARGIN * 1e3 / self.plain_ms
 
     def record_plain(self, seconds: float) -> None:
@@ -118,7 +101,6 @@ class GainMeter:
     def record_tree(self, tokens: int, seconds: float) -> None:
         """A tree step gained ``tokens`` in ``seconds``."""
         self._tree.append((tokens, seconds))
-        self._long.append((tokens, seconds))
         self._history.append(tokens)
         if self._trial_left > 0:
             self._trial_steps += 1
@@ -136,5 +118,3 @@ class GainMeter:
         if self._tree:
             tokens, s = self._tree[-1]
             self._tree[-1] = (tokens, s + seconds)
-            if self._long:
-                self._long[-1] = (self._long[-1][0], self._long[-1][1] + seconds)
