@@ -17,8 +17,8 @@ up to S at once, the rest wait in arrival order); ``--via http`` sends them thro
 ``edgespec serve`` app (uvicorn, in this process) over HTTP streaming instead of the Python
 API. Every prompt starts with its own comment line (``# request <mode>-<clients>-<client>-<n>``),
 so no request reuses another's KV cache (each pays its whole prefill), and both rings of a
-cell get the same prompts. Every answer is ``--tokens`` long (``ignore_eos``, as vLLM's and
-llama.cpp's serving benchmarks do): with C clients on C slots, a cell lasts as long as its
+cell get the same prompts. Every answer is ``--tokens`` long (``ignore_eos``, an option of
+vLLM's serving benchmark too): with C clients on C slots, a cell lasts as long as its
 busiest client, so answers that stop at their own end would measure how unevenly long they
 happen to be (stop 15: one client's two answers were 28 and 61 tokens, another's 111 and 128)
 rather than the ring. ``--stop-at-eos`` lets them end on their own.
