@@ -14,6 +14,7 @@ from edgespec.api import Ring
 from edgespec.batch import Sampling
 from edgespec.drafters import Drafter, DraftTree
 from edgespec.head.engine import SpecEngine
+from edgespec.head.engine.gain import GainMeter
 
 
 class WrongDrafter(Drafter):
@@ -139,3 +140,41 @@ def test_useful_drafter_keeps_its_trees(heavier_ring):
     # chain, where a round is as many laps as it gains tokens early on: then 8 plain laps
     # follow before the probe that wins.)
     assert s.tokens - s.plain_steps > 3 * s.plain_steps
+
+
+def _trial(meter: GainMeter, steps: list[tuple[int, float]], sharers: int = 1) -> bool:
+    """A new generation's trial of ``steps`` (tokens, seconds); then: trees or plain laps?"""
+    meter.begin()
+    for tokens, seconds in steps:
+        assert meter.want_tree(sharers)  # still in the trial
+        meter.record_tree(tokens, seconds)
+    return meter.want_tree(sharers)
+
+
+def test_lost_trial_alone_keeps_trees_that_pay_over_the_long_run() -> None:
+    """A good draft model's first steps of an answer gain little; judged on them alone, the
+    generation would fall back to plain laps. Alone on the ring, its tree steps of earlier
+    generations say trees pay here: they are kept. Without that record, with a poor one, or
+    while other requests decode (a tree's rows are their compute too), the trial's own rate
+    decides, as before."""
+    slow_start = [(2, 0.4)] * GainMeter.TRIAL_MAX  # 5 tok/s against plain laps' 10
+    good, poor, fresh = GainMeter(), GainMeter(), GainMeter()
+    for meter in (good, poor, fresh):
+        meter.record_plain(0.1)
+    for _ in range(GainMeter.LONG_RUN_MIN):
+        good.record_tree(20, 0.5)  # 40 tok/s
+        poor.record_tree(2, 0.4)
+    assert _trial(good, slow_start)
+    assert not _trial(good, slow_start, sharers=2)
+    assert not _trial(fresh, slow_start)
+    assert not _trial(poor, slow_start)
+    # A trial of one-token steps is a plain lap's worth whatever came before.
+    assert not _trial(good, [(1, 0.1)] * GainMeter.TRIAL_MAX)
+    # The long run follows this generation too: steps that stop paying end the trees.
+    assert _trial(good, slow_start)
+    for _ in range(GainMeter.LONG_RUN):
+        if not good.want_tree():
+            break
+        good.record_tree(2, 0.4)
+    else:
+        raise AssertionError("trees kept through a whole long run of losing steps")

@@ -29,7 +29,7 @@ class FlowMode:
         if self.fixed_budget:
             seg = self._segment_size(self.fixed_budget)
         else:
-            seg = self.FLOW_SEGMENT if self.gain.want_tree() else 0
+            seg = self.FLOW_SEGMENT if self.gain.want_tree(self.sharers()) else 0
             self.stats.probes = self.gain.probes
         self.stats.segment = seg
         self.stats.budget = self._ahead_limit() if seg else 0

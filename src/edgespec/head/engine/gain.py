@@ -8,7 +8,8 @@ beat plain laps, the engine decodes plain laps (exactly mode ``none``) and probe
 step now and then, backing off each time the probe loses, so a useless drafter costs about
 two tree steps per generation and a useful one is found again when it starts to help (a
 prompt that begins to repeat its own text, say). Every generation opens with a trial: its
-prompt may suit the drafter where the last one did not.
+prompt may suit the drafter where the last one did not. A request alone on the ring judges a
+trial that gained several tokens on the longer run of tree steps too (``pays``).
 """
 
 from __future__ import annotations
@@ -43,14 +44,19 @@ class GainMeter:
     #: Weight of the newest plain lap in the running mean of ``plain_ms``.
     ALPHA = 0.25
 
-    #: Mean tokens per tree step (over the last 32, across generations) from which a
+    #: Mean tokens per tree step (over the last LONG_RUN, across generations) from which a
     #: one-token step does not end a trial.
     LIKELY_TOKENS = 2.5
+    #: Tree steps (across generations) the long-run judgement looks back on, and how many it
+    #: needs: a request alone on the ring keeps trees that pay over this longer run (``pays``).
+    LONG_RUN = 32
+    LONG_RUN_MIN = 8
 
     def __init__(self) -> None:
         self.plain_ms: float | None = None
         self._backoff = self.FIRST_WAIT
-        self._history: deque[int] = deque(maxlen=32)  # tokens of recent tree steps
+        # (tokens, seconds) of the last LONG_RUN tree steps, across generations
+        self._long: deque[tuple[int, float]] = deque(maxlen=self.LONG_RUN)
         self.begin()
 
     def begin(self) -> None:
@@ -61,8 +67,9 @@ class GainMeter:
         self._wait = 0
         self.probes = 0
 
-    def want_tree(self) -> bool:
-        """Whether the next step should be a tree step."""
+    def want_tree(self, sharers: int = 1) -> bool:
+        """Whether the next step should be a tree step; ``sharers``: requests decoding on
+        the ring now, this one included (``pays``)."""
         if self.plain_ms is None:
             return False  # measure one plain lap first: nothing to compare with otherwise
         if self._trial_left > 0:
@@ -75,22 +82,40 @@ class GainMeter:
                 self._trial_steps = 0
                 self.probes += 1
             return False
-        if self.pays():
+        if self.pays(sharers):
             self._backoff = max(self.FIRST_WAIT, self._backoff // 2)
             return True
         self._wait = self._backoff
         self._backoff = min(2 * self._backoff, self.MAX_WAIT)
         return False
 
-    def pays(self) -> bool:
+    def pays(self, sharers: int = 1) -> bool:
         """Recent tree steps gained more than one token per step and MARGIN times the tokens
-        per second of plain laps."""
+        per second of plain laps, in this generation's window or, for a request alone on the
+        ring (``sharers`` 1), over the last LONG_RUN tree steps of any generation.
+
+        Why the long run: a good draft model's first steps of an answer often gain 2-3 tokens
+        where its later ones gain 20-80 (1.5B/0.5B, 4 stages, 10 ms per hop, code prompts: a
+        flow step of 2 tokens took 260 ms against a plain lap's 113). Judged on those first
+        steps alone, 6 of 8 generations fell back to plain laps for 9-65 steps, and a
+        generation's speed (9-15 tok/s) followed whether its trial happened to win. Why alone
+        only: while other requests decode, a tree's rows are their compute too, so a lost
+        trial falls back to plain laps as before (4 clients on 4 slots, in one process:
+        12.0 and 12.6 tok/s with the gate, 12.5 and 13.7 without it, within this host's
+        noise; docs/design.md 5.8)."""
         if not self._tree or self.plain_ms is None:
             return False
         tokens = sum(t for t, _ in self._tree)
-        seconds = sum(s for _, s in self._tree)
         if tokens <= len(self._tree):  # one token per step: what a plain lap gives
             return False
+        if self._beats_plain(self._tree):
+            return True
+        return sharers <= 1 and len(self._long) >= self.LONG_RUN_MIN and self._beats_plain(self._long)
+
+    def _beats_plain(self, steps: deque[tuple[int, float]]) -> bool:
+        tokens = sum(t for t, _ in steps)
+        seconds = sum(s for _, s in steps)
+        assert self.plain_ms is not None
         return tokens / max(seconds, 1e-9) > self.MARGIN * 1e3 / self.plain_ms
 
     def record_plain(self, seconds: float) -> None:
@@ -101,15 +126,15 @@ class GainMeter:
     def record_tree(self, tokens: int, seconds: float) -> None:
         """A tree step gained ``tokens`` in ``seconds``."""
         self._tree.append((tokens, seconds))
-        self._history.append(tokens)
+        self._long.append((tokens, seconds))
         if self._trial_left > 0:
             self._trial_steps += 1
             # A drafter whose steps usually gain several tokens gets the whole trial even
             # after a miss (1.5B/0.5B, 4 stages, 10 ms hops: a trial lost on a first-step
             # miss on a prompt where the other steps gained 3-37 tokens); one that gains
             # little (retrieval on fresh chat answers, 1.0-1.35 a step) ends it at a miss.
-            likely = (len(self._history) >= 4
-                      and sum(self._history) / len(self._history) >= self.LIKELY_TOKENS)
+            likely = (len(self._long) >= 4
+                      and sum(t for t, _ in self._long) / len(self._long) >= self.LIKELY_TOKENS)
             gained_more = (tokens > 1 or likely) and self._trial_steps < self.TRIAL_MAX
             self._trial_left = 1 if gained_more else max(0, self._trial_left - 1)
 
@@ -118,3 +143,5 @@ class GainMeter:
         if self._tree:
             tokens, s = self._tree[-1]
             self._tree[-1] = (tokens, s + seconds)
+            if self._long:
+                self._long[-1] = (self._long[-1][0], self._long[-1][1] + seconds)
