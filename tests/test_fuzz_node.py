@@ -20,9 +20,12 @@ from edgespec.tree.kvop import KvOp
 from edgespec.wire import FieldTag, Kind, Message, control_message, encode_frame
 from edgespec.wire.auth import load_key, write_key
 from edgespec.wire.frames import batch_message
+from edgespec.wire.header import Flag
 from edgespec.wire.transport import TransportError, connect
 
 FRAMES_PER_HANDLER = 10_000
+#: Request id of the health request that follows the flood (the mutants' ids are random).
+DRAIN_REQUEST = 0x7EDC_0DE5
 
 
 def _rss_kb(pid: int) -> int:
@@ -98,6 +101,7 @@ def test_fuzzed_frames_leave_node_serving(tiny_ring):
     conn = connect(host, port, key, node_id="fuzzer")
     errors = 0
     stop = threading.Event()
+    drained = threading.Event()  # the node has read every frame this connection sent
 
     def read() -> None:
         nonlocal errors
@@ -106,9 +110,12 @@ def test_fuzzed_frames_leave_node_serving(tiny_ring):
                 msg = conn.recv(timeout=0.5)
             except TimeoutError:
                 continue
-            except TransportError:
+            except TransportError:  # the node dropped the connection: it reads no more of it
+                drained.set()
                 return
-            if msg.kind == Kind.ERROR:
+            if msg.request_id == DRAIN_REQUEST and msg.kind != Kind.ERROR:
+                drained.set()
+            elif msg.kind == Kind.ERROR:
                 errors += 1
 
     reader = threading.Thread(target=read, daemon=True)
@@ -123,7 +130,18 @@ def test_fuzzed_frames_leave_node_serving(tiny_ring):
             body = _mutate(rng, payload)
             conn._send_chunks(header._replace(payload_len=len(body)), [body])
             sent += 1
-    # A request after the flood: answered only once the node has worked through every frame.
+    # A request after the flood, on the same connection: the node reads a connection's frames
+    # in order and hands each to its stage before reading the next, so its answer means every
+    # mutant has reached a stage's queue (a health request on another connection does not:
+    # CI once saw KV operations of the flood clear a stage after the check below).
+    drain = control_message("health")
+    drain.request_id = DRAIN_REQUEST
+    drain.flags |= int(Flag.NEEDS_REPLY)
+    try:
+        conn.send(drain)
+    except TransportError:
+        drained.set()
+    assert drained.wait(120), "the node never got through the flood"
     # Valid frames among the mutants were queued for the stage: wait until it is idle.
     reply = None
     deadline = time.monotonic() + 120
