@@ -26,7 +26,11 @@ rather than the ring. ``--stop-at-eos`` lets them end on their own.
 Per cell: aggregate tokens/s (all tokens / first submit to last token), per-request tokens/s
 (tokens / first to last token, as the client sees them), time to first token from submit
 (queueing included) median and p95, and the ring's own ``ttft_ms`` (request start to first
-token) where the statistics carry it. ``x_fifo``: slots aggregate over FIFO aggregate.
+token) where the statistics carry it. ``x_fifo``: slots aggregate over FIFO aggregate. And
+the host's CPU use over the cell (``host_cpu_pct``, % of one core: 200 is a 2-core host
+saturated) and busy CPU ms per generated token (``host_cpu_ms_per_token``): with the whole
+ring on one host, a cell near saturation can gain from more requests at once only by
+spending less CPU per token, which is what bounds slots against FIFO there.
 
 Projection (labelled, modelled): ``--stages`` separate devices, one stage each, with the stage
 costs measured alone (``bench.projection.measure_stage_curves``), the lap overhead and the
@@ -144,6 +148,23 @@ class _Http:
         self.app.state.shutdown()
         self.server.should_exit = True
         self.thread.join(30)
+
+
+def host_cpu() -> tuple[float, float] | None:
+    """(busy, total) CPU seconds of the whole host so far, summed over its CPUs, from
+    /proc/stat (None where there is none): a cell's share of busy time says how close the
+    host's cores were to saturation. On one host every stage, the head's drafting and the
+    link emulators share the same cores, so once they are busy, more requests at once can
+    only trade one request's compute for another's."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [float(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle + iowait
+    total = sum(fields[:8])  # guest time is counted inside user time already
+    return (total - idle) / tick, total / tick
 
 
 def run_cell(client: Any, prompts: list[str], clients: int, requests: int, n_tokens: int,
@@ -264,15 +285,17 @@ def project(curves: dict[str, Any], cells: list[dict[str, Any]], n_stages: int, 
 
 def _table(cells: list[dict[str, Any]]) -> str:
     head = ("| mode | clients | ring | aggregate tok/s | x fifo | per-request tok/s | "
-            "TTFT ms median | TTFT ms p95 | ring TTFT ms median |")
-    lines = [head, "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+            "TTFT ms median | TTFT ms p95 | ring TTFT ms median | host CPU % | "
+            "CPU ms/token |")
+    lines = [head, "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for x in cells:
         def f(v: Any) -> str:
             return "-" if v is None else f"{v:.2f}" if isinstance(v, float) else str(v)
         lines.append(f"| {x['mode']} | {x['clients']} | {x['ring']} | "
                      f"{f(x['aggregate_tok_s'])} | {f(x.get('x_fifo'))} | "
                      f"{f(x['per_request_tok_s_median'])} | {f(x['ttft_ms_median'])} | "
-                     f"{f(x['ttft_ms_p95'])} | {f(x['ring_ttft_ms_median'])} |")
+                     f"{f(x['ttft_ms_p95'])} | {f(x['ring_ttft_ms_median'])} | "
+                     f"{f(x.get('host_cpu_pct'))} | {f(x.get('host_cpu_ms_per_token'))} |")
     return "\n".join(lines)
 
 
@@ -355,10 +378,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                 flip = not flip
                 got = {}
                 for name in order:
+                    cpu0 = host_cpu()
                     recs = run_cell(clients[name], prompts, n, requests, n_tokens, m)
+                    cpu1 = host_cpu()
                     cell = {"mode": m, "clients": n, "ring": name,
                             "parallel": 1 if name == "fifo" else args.parallel,
                             **summarize(recs), "load_avg_1m": round(os.getloadavg()[0], 2)}
+                    if cpu0 and cpu1 and cpu1[1] > cpu0[1]:
+                        # Host CPU busy, in % of one core (200 = both cores of a 2-core
+                        # host all the time), and busy CPU ms per token generated.
+                        busy = cpu1[0] - cpu0[0]
+                        cell["host_cpu_pct"] = round(
+                            100 * (os.cpu_count() or 1) * busy / (cpu1[1] - cpu0[1]), 1)
+                        cell["host_cpu_ms_per_token"] = round(1e3 * busy / cell["tokens"], 1)
                     raw += [{"mode": m, "clients": n, "ring": name, **r} for r in recs]
                     got[name] = cell
                     log(f"{m:<5} {n} client(s) {name:<5} {cell['aggregate_tok_s']:7.2f} tok/s "
