@@ -4,24 +4,28 @@ baseline), in the same run.
 
     .venv/bin/python -m bench.concurrency_bench --quick     # minutes: 0.5B, no draft, 2 stages
     .venv/bin/python -m bench.concurrency_bench             # 1.5B target, 0.5B draft, 4 stages,
-                                                            # 10 ms/hop, 128 tokens, none+flow
+                                                            # 10 ms/hop, 128 tokens, none+sync+flow
 
 What runs: two rings of ``Ring.local`` node processes are up at once, ``parallel=1`` and
 ``parallel=--parallel``, every ring link through its own ``bench.linkemu`` proxy with
-``--hop-ms`` one-way delay (``bench.ring_bench.Links``). For every mode (``none`` and the best
-mode, ``flow`` with the draft model) and client count, C client threads each send
+``--hop-ms`` one-way delay (``bench.ring_bench.Links``). For every mode (``none`` and the tree
+modes ``sync`` and ``flow`` with the draft model) and client count, C client threads each send
 ``--requests`` generations back to back (HumanEval prompts, greedy, ``--tokens`` new tokens),
 first to one ring then to the other (the order alternates cell by cell, so the host's other
-load hits both alike). Clients are admitted as ``edgespec serve`` admits them (its gate:
-up to S at once, the rest wait in arrival order); ``--via http`` sends them through a real
-``edgespec serve`` app (uvicorn, in this process) over HTTP streaming instead of the Python
-API. Every prompt starts with its own comment line (``# request <mode>-<clients>-<client>-<n>``),
-so no request reuses another's KV cache (each pays its whole prefill), and both rings of a
-cell get the same prompts. Every answer is ``--tokens`` long (``ignore_eos``, an option of
-vLLM's serving benchmark too): with C clients on C slots, a cell lasts as long as its
-busiest client, so answers that stop at their own end would measure how unevenly long they
-happen to be (stop 15: one client's two answers were 28 and 61 tokens, another's 111 and 128)
-rather than the ring. ``--stop-at-eos`` lets them end on their own.
+load hits both alike). One client runs in pairs instead: each request goes to both rings, one
+right after the other, the first ring alternating request by request, so a drift in the host's
+speed over the cell (it is shared, and its speed wanders by 5-10% over minutes) hits both rings
+alike (``--pairs`` requests; ``x_fifo`` is then the ratio of tokens over summed request times,
+and the cell also lists the ratio of every pair, ``pair_x_fifo``). Clients are admitted as
+``edgespec serve`` admits them (its gate: up to S at once, the rest wait in arrival order);
+``--via http`` sends them through a real ``edgespec serve`` app (uvicorn, in this process) over
+HTTP streaming instead of the Python API. Every prompt starts with its own comment line
+(``# request <mode>-<clients>-<client>-<n>``), so no request reuses another's KV cache (each pays
+its whole prefill), and both rings of a cell get the same prompts. Every answer is ``--tokens``
+long (``ignore_eos``, an option of vLLM's serving benchmark too): with C clients on C slots, a
+cell lasts as long as its busiest client, so answers that stop at their own end would measure
+how unevenly long they happen to be (stop 15: one client's two answers were 28 and 61 tokens,
+another's 111 and 128) rather than the ring. ``--stop-at-eos`` lets them end on their own.
 
 Per cell: aggregate tokens/s (all tokens / first submit to last token), per-request tokens/s
 (tokens / first to last token, as the client sees them), time to first token from submit
@@ -198,9 +202,40 @@ def run_cell(client: Any, prompts: list[str], clients: int, requests: int, n_tok
     return out
 
 
-def summarize(recs: list[dict[str, Any]]) -> dict[str, Any]:
-    t0 = min(r["t_submit"] for r in recs)
-    t1 = max(r["t_end"] for r in recs)
+def run_pairs(clients: dict[str, Any], order: list[str], prompts: list[str], requests: int,
+              n_tokens: int, mode: str
+              ) -> dict[str, tuple[list[dict[str, Any]], float | None]]:
+    """One client, in pairs: request j goes to every ring of ``order`` in turn, the first ring
+    alternating with j (module docstring). Returns per ring its records and the host's busy
+    CPU seconds over its requests (None where /proc/stat is not there)."""
+    got: dict[str, tuple[list[dict[str, Any]], float | None]] = {
+        name: ([], 0.0 if host_cpu() else None) for name in order}
+    for j in range(requests):
+        for name in (order if j % 2 == 0 else order[::-1]):
+            cpu0 = host_cpu()
+            rec = clients[name].run(f"# request {mode}-1-0-{j}\n{prompts[j % len(prompts)]}",
+                                    n_tokens, mode)
+            cpu1 = host_cpu()
+            rec.update(client_id=0, prompt=j % len(prompts))
+            recs, busy = got[name]
+            recs.append(rec)
+            got[name] = (recs, busy + cpu1[0] - cpu0[0] if busy is not None and cpu0 and cpu1
+                         else None)
+    return got
+
+
+def elapsed_s(recs: list[dict[str, Any]], paired: bool) -> float:
+    """Seconds the cell's requests took: first submit to last token, or, ``paired``, the sum
+    of their own times."""
+    if paired:
+        return sum(r["t_end"] - r["t_submit"] for r in recs)
+    return max(r["t_end"] for r in recs) - min(r["t_submit"] for r in recs)
+
+
+def summarize(recs: list[dict[str, Any]], paired: bool = False) -> dict[str, Any]:
+    """``paired``: the requests ran one at a time, interleaved with another ring's
+    (``run_pairs``), so the aggregate counts only their own times."""
+    elapsed = elapsed_s(recs, paired)
     toks = sum(r["tokens"] for r in recs)
     # The first token came at t_first: the rest took t_end - t_first.
     per_req = [(r["tokens"] - 1) / (r["t_end"] - r["t_first"]) for r in recs
@@ -215,7 +250,7 @@ def summarize(recs: list[dict[str, Any]]) -> dict[str, Any]:
     rows = [r["stats"]["rows_sent"] for r in recs if r["stats"]]
     draft = [r["stats"]["draft_ms"] for r in recs if r["stats"]]
     return {"requests": len(recs), "tokens": toks,
-            "aggregate_tok_s": round(toks / (t1 - t0), 3),
+            "aggregate_tok_s": round(toks / elapsed, 3),
             "per_request_tok_s_median": pct(per_req, 50),
             "ttft_ms_median": pct(ttft, 50), "ttft_ms_p95": pct(ttft, 95),
             "ring_ttft_ms_median": pct(ring_ttft, 50), "ring_ttft_ms_p95": pct(ring_ttft, 95),
@@ -309,10 +344,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--draft", default=None, help="draft model ('-': none, retrieval)")
     ap.add_argument("--stages", type=int, default=None)
     ap.add_argument("--hop-ms", type=float, default=10.0)
-    ap.add_argument("--modes", default="none,flow", help="none and the best mode")
+    ap.add_argument("--modes", default="none,sync,flow",
+                    help="none and the tree modes (the best mode is the one whose slots ring "
+                         "is fastest at 4 clients)")
     ap.add_argument("--clients", default=None, help="client counts (default 1,2,4,8)")
     ap.add_argument("--parallel", type=int, default=4, help="slots of the compared ring")
     ap.add_argument("--requests", type=int, default=None, help="per client (default 2)")
+    ap.add_argument("--pairs", type=int, default=None,
+                    help="requests of a one-client cell, each sent to both rings (default 6; "
+                         "--quick: --requests)")
     ap.add_argument("--tokens", type=int, default=None)
     ap.add_argument("--n-ctx", type=int, default=4096, help="of each ring (slots share it)")
     ap.add_argument("--threads", type=int, default=1, help="llama.cpp threads per stage")
@@ -332,12 +372,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     stages = args.stages or (2 if q else 4)
     n_tokens = args.tokens or (32 if q else 128)
     requests = args.requests or (1 if q else 2)
+    n_pairs = args.pairs or (requests if q else 6)
     counts = [int(c) for c in (args.clients or ("1,2,4" if q else "1,2,4,8")).split(",")]
     modes = [m for m in args.modes.split(",") if m]
     for m in modes:
         if m not in ("none", "sync", "flow", "auto"):
             ap.error(f"unknown mode {m!r}")
-    prompts = [p["prompt"] for p in humaneval_prompts(max(8, max(counts) * requests))]
+    prompts = [p["prompt"] for p in humaneval_prompts(max(8, max(counts) * requests, n_pairs))]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     prefix = args.name or ("concurrency_bench_quick" if q else "concurrency_bench")
@@ -377,24 +418,35 @@ def main(argv: Sequence[str] | None = None) -> int:
                 order = ["slots", "fifo"] if flip else ["fifo", "slots"]
                 flip = not flip
                 got = {}
+                pairs = run_pairs(clients, order, prompts, n_pairs, n_tokens, m) \
+                    if n == 1 else {}
                 for name in order:
-                    cpu0 = host_cpu()
-                    recs = run_cell(clients[name], prompts, n, requests, n_tokens, m)
-                    cpu1 = host_cpu()
+                    if n == 1:
+                        recs, busy = pairs[name]
+                    else:
+                        cpu0 = host_cpu()
+                        recs = run_cell(clients[name], prompts, n, requests, n_tokens, m)
+                        cpu1 = host_cpu()
+                        busy = cpu1[0] - cpu0[0] if cpu0 and cpu1 else None
                     cell = {"mode": m, "clients": n, "ring": name,
                             "parallel": 1 if name == "fifo" else args.parallel,
-                            **summarize(recs), "load_avg_1m": round(os.getloadavg()[0], 2)}
-                    if cpu0 and cpu1 and cpu1[1] > cpu0[1]:
+                            **summarize(recs, paired=n == 1),
+                            "load_avg_1m": round(os.getloadavg()[0], 2)}
+                    seconds = elapsed_s(recs, paired=n == 1)
+                    if busy is not None and seconds > 0:
                         # Host CPU busy, in % of one core (200 = both cores of a 2-core
                         # host all the time), and busy CPU ms per token generated.
-                        busy = cpu1[0] - cpu0[0]
-                        cell["host_cpu_pct"] = round(
-                            100 * (os.cpu_count() or 1) * busy / (cpu1[1] - cpu0[1]), 1)
+                        cell["host_cpu_pct"] = round(100 * busy / seconds, 1)
                         cell["host_cpu_ms_per_token"] = round(1e3 * busy / cell["tokens"], 1)
                     raw += [{"mode": m, "clients": n, "ring": name, **r} for r in recs]
                     got[name] = cell
                     log(f"{m:<5} {n} client(s) {name:<5} {cell['aggregate_tok_s']:7.2f} tok/s "
                         f"aggregate, TTFT median {cell['ttft_ms_median']} ms")
+                if n == 1:
+                    rate = {name: [r["tokens"] / (r["t_end"] - r["t_submit"])
+                                   for r in pairs[name][0]] for name in order}
+                    got["slots"]["pair_x_fifo"] = [round(b / a, 3) for a, b in
+                                                   zip(rate["fifo"], rate["slots"], strict=True)]
                 got["slots"]["x_fifo"] = round(got["slots"]["aggregate_tok_s"]
                                                / got["fifo"]["aggregate_tok_s"], 3)
                 cells += [got["fifo"], got["slots"]]
@@ -415,7 +467,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "projection": project(curves, cells, stages, args.hop_ms, args.parallel)}
     settings = {"target": target, "draft": draft, "stages": stages, "hop_ms": args.hop_ms,
                 "modes": modes, "clients": counts, "parallel": args.parallel,
-                "requests_per_client": requests, "tokens": n_tokens, "n_ctx": args.n_ctx,
+                "requests_per_client": requests, "one_client_pairs": n_pairs,
+                "tokens": n_tokens, "n_ctx": args.n_ctx,
                 "threads": args.threads, "via": args.via, "ignore_eos": not args.stop_at_eos}
     report = {"machine": host, "settings": settings, "command": command, "cells": cells,
               "projection": proj, "requests": raw}

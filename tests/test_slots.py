@@ -100,6 +100,11 @@ def test_parallel_one_is_todays_head_and_slots_divide_the_ring(local2):
     assert [e.chain.base for e in engines] == [0, 64, 128, 192]
     assert {e.max_seqs for e in engines} == {63} and {e.n_ctx for e in engines} == {512}
     assert len({e._lap >> 26 for e in engines}) == 4  # lap ids of slots never meet
+    # one cost model for the ring: a lap measured on one slot informs every slot's choice
+    assert all(e.cost is engines[0].cost for e in engines)
+    engines[2].cost.observe_lap(1, 100.0)
+    engines[2].cost.observe_lap(3, 160.0)
+    assert (engines[0].cost.lap_a, engines[0].cost.lap_b) == pytest.approx((70.0, 30.0))
     assert [s["state"] for s in four.slots()] == ["free"] * 4
     with pytest.raises(ValueError):
         Ring(chain, tok, model_name="t", parallel=0)

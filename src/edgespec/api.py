@@ -37,6 +37,7 @@ from edgespec.batch import Sampling
 from edgespec.errors import RequestError
 from edgespec.head.chain import Chain
 from edgespec.head.engine import GenerationStats, SpecEngine
+from edgespec.head.engine.cost import CostModel
 from edgespec.head.session import Session
 from edgespec.head.slots import SlotPool, slot_width
 
@@ -119,6 +120,9 @@ class Ring:
         options = dict(engine_options or {})
         if parallel > 1:
             options["max_seqs"] = width - 1  # a slot's tree seqs (edgespec.head.slots)
+
+        # One cost model for the ring: laps and drafts measured on any slot serve them all.
+        options["cost"] = options.get("cost") or CostModel()
 
         def make_engine(ch: Chain, _index: int) -> SpecEngine:
             drafter = drafter_factory() if drafter_factory is not None else None

@@ -4,6 +4,7 @@ tree budget comes from measured lap times per batch size and the measured accept
 from __future__ import annotations
 
 import heapq
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -18,6 +19,12 @@ class CostModel:
     likely paths, so E[accepted](B) is the sum of the B largest path probabilities (the greedy
     solution of Sequoia's tree-shape problem). Lap time is a + b*rows, fitted online from the
     chain's measured laps (seeded from profiling when given); drafting time per node likewise.
+
+    One per ring, shared by the engines of its slots (docs/design.md 5.8): what it measures
+    belongs to the ring and the drafter, not to a slot, so a request starts from every lap
+    and draft measured before it on any slot. With a model per slot, one client whose
+    requests take the free slots in turn had each slot learn from a quarter of the laps,
+    starting from the prior. Its observations may come from several threads at once.
     """
 
     RANKS = 4
@@ -30,13 +37,19 @@ class CostModel:
         self.draft_ms = draft_ms_per_node
         self.budgets = tuple(budgets)
         self._obs: list[tuple[int, float]] = []
+        self._lock = threading.Lock()
 
     def acceptance(self) -> np.ndarray:
-        return self.hits / self.tries
+        with self._lock:
+            return self.hits / self.tries
 
     def observe_rank(self, rank: int | None, n_children: int) -> None:
         """One verification step: the target matched the child of ``rank`` (0-based) among
         ``n_children`` drafted children, or none of them (rank None)."""
+        with self._lock:
+            self._observe_rank(rank, n_children)
+
+    def _observe_rank(self, rank: int | None, n_children: int) -> None:
         for r in range(min(n_children, self.RANKS)):
             if rank is not None and r > rank:
                 break
@@ -45,15 +58,16 @@ class CostModel:
                 self.hits[r] += 1
 
     def observe_lap(self, rows: int, ms: float) -> None:
-        self._obs.append((rows, ms))
-        self._obs = self._obs[-64:]
-        xs = np.array([o[0] for o in self._obs], float)
-        ys = np.array([o[1] for o in self._obs], float)
-        if len(set(xs.tolist())) >= 2:
-            b, a = np.polyfit(xs, ys, 1)
-            self.lap_a, self.lap_b = max(a, 0.1), max(b, 0.0)
-        elif len(xs):
-            self.lap_a = float(ys.mean()) - self.lap_b * float(xs.mean())
+        with self._lock:
+            self._obs.append((rows, ms))
+            self._obs = self._obs[-64:]
+            xs = np.array([o[0] for o in self._obs], float)
+            ys = np.array([o[1] for o in self._obs], float)
+            if len(set(xs.tolist())) >= 2:
+                b, a = np.polyfit(xs, ys, 1)
+                self.lap_a, self.lap_b = max(a, 0.1), max(b, 0.0)
+            elif len(xs):
+                self.lap_a = float(ys.mean()) - self.lap_b * float(xs.mean())
 
     def expected_tokens(self, budget: int) -> float:
         """E[tokens per step] = E[accepted draft tokens] + 1 bonus, for the best B-node tree."""
@@ -74,7 +88,8 @@ class CostModel:
 
     def observe_draft(self, nodes: int, ms: float) -> None:
         if nodes > 0:
-            self.draft_ms = 0.8 * self.draft_ms + 0.2 * (ms / nodes)
+            with self._lock:
+                self.draft_ms = 0.8 * self.draft_ms + 0.2 * (ms / nodes)
 
     def rate(self, budget: int, users: int = 1) -> float:
         """Predicted tokens per millisecond with a tree of ``budget`` drafted nodes.
