@@ -14,7 +14,7 @@ from edgespec.api import Ring
 from edgespec.batch import Sampling
 from edgespec.drafters import Drafter, DraftTree
 from edgespec.head.engine import SpecEngine
-from edgespec.head.engine.gain import GainMeter
+from edgespec.head.engine.gain import GainMeter, RingRates
 
 
 class WrongDrafter(Drafter):
@@ -178,3 +178,64 @@ def test_lost_trial_alone_keeps_trees_that_pay_over_the_long_run() -> None:
         good.record_tree(2, 0.4)
     else:
         raise AssertionError("trees kept through a whole long run of losing steps")
+
+
+def test_slots_sharing_ring_rates_judge_a_fresh_slot_on_the_ring_s_long_run() -> None:
+    """One client's requests take a ring's free slots in turn: the slot a request lands on
+    judges its trial on the tree steps of every slot (RingRates, docs/design.md 5.8), not on
+    its own quarter of them; a slot of another ring knows nothing of them."""
+    rates = RingRates()
+    first, second = GainMeter(rates), GainMeter(rates)
+    other_ring = GainMeter()
+    first.record_plain(0.1)
+    for _ in range(GainMeter.LONG_RUN_MIN):
+        first.record_tree(20, 0.5)  # 40 tok/s against plain laps' 10
+    slow_start = [(2, 0.4)] * GainMeter.TRIAL_MAX
+    assert second.plain_ms == pytest.approx(100.0)
+    assert _trial(second, slow_start)
+    other_ring.record_plain(0.1)
+    assert not _trial(other_ring, slow_start)
+    # Draining a tree's rows still in flight charges that meter's own step, though another
+    # slot's steps came after it.
+    second.record_tree(3, 0.1)
+    first.record_tree(4, 0.2)
+    second.charge_tree(0.05)
+    steps, tokens, seconds = rates.long_run()
+    assert steps == GainMeter.LONG_RUN_MIN + GainMeter.TRIAL_MAX + 2
+    assert seconds == pytest.approx(8 * 0.5 + 3 * 0.4 + 0.15 + 0.2)
+
+
+def test_ring_rates_fed_by_slot_threads_lose_no_tree_step() -> None:
+    """Slot threads record into and judge from one RingRates at once: no judgement trips
+    over another thread's step, and every step and charge is counted."""
+    import sys
+    import threading
+
+    rates = RingRates()
+    meters = [GainMeter(rates) for _ in range(4)]
+    errors: list[BaseException] = []
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can
+    try:
+        def feed(meter: GainMeter) -> None:
+            try:
+                for _ in range(3000):
+                    meter.record_tree(1, 0.001)
+                    meter.charge_tree(0.001)
+                    meter.record_plain(0.01)
+                    rates.long_run()  # what ``pays`` reads
+            except BaseException as e:  # asserted below, never lost in a thread
+                errors.append(e)
+
+        threads = [threading.Thread(target=feed, args=(m,)) for m in meters]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert not errors, errors
+    steps, tokens, seconds = rates.long_run()
+    assert steps == tokens == RingRates.LONG_RUN
+    assert seconds == pytest.approx(RingRates.LONG_RUN * 0.002)
+    assert rates.plain_ms == pytest.approx(10.0)

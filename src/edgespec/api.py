@@ -38,6 +38,7 @@ from edgespec.errors import RequestError
 from edgespec.head.chain import Chain
 from edgespec.head.engine import GenerationStats, SpecEngine
 from edgespec.head.engine.cost import CostModel
+from edgespec.head.engine.gain import RingRates
 from edgespec.head.session import Session
 from edgespec.head.slots import SlotPool, slot_width
 
@@ -121,8 +122,10 @@ class Ring:
         if parallel > 1:
             options["max_seqs"] = width - 1  # a slot's tree seqs (edgespec.head.slots)
 
-        # One cost model for the ring: laps and drafts measured on any slot serve them all.
+        # One cost model and one set of gain rates for the ring: laps, drafts and tree steps
+        # measured on any slot serve them all (docs/design.md 5.8).
         options["cost"] = options.get("cost") or CostModel()
+        options["ring_rates"] = options.get("ring_rates") or RingRates()
 
         def make_engine(ch: Chain, _index: int) -> SpecEngine:
             drafter = drafter_factory() if drafter_factory is not None else None

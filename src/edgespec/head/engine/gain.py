@@ -10,19 +10,68 @@ two tree steps per generation and a useful one is found again when it starts to 
 prompt that begins to repeat its own text, say). Every generation opens with a trial: its
 prompt may suit the drafter where the last one did not. A request alone on the ring judges a
 trial that gained several tokens on the longer run of tree steps too (``pays``).
+
+What the meter learns of the ring rather than of a generation (a plain lap's time, the long
+run of tree steps) lives in ``RingRates``, which the slots of a ring share (docs/design.md 5.8).
 """
 
 from __future__ import annotations
 
+import threading
 from collections import deque
+
+
+class RingRates:
+    """A plain lap's wall time and the last ``LONG_RUN`` tree steps of any generation: what a
+    ``GainMeter`` measures of the ring. One per ring, shared by its slots' meters (slot
+    threads feed it at once, hence the lock): one client whose requests take the free slots
+    in turn would otherwise judge every request on a quarter of its history, and a slot's
+    first request on none."""
+
+    #: Weight of the newest plain lap in the running mean of ``plain_ms``.
+    ALPHA = 0.25
+    #: Tree steps (across generations) the long-run judgement looks back on.
+    LONG_RUN = 32
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.plain_ms: float | None = None
+        # [tokens, seconds] of the last LONG_RUN tree steps; a meter may still charge its own
+        # last entry (``charge``), whichever slot's steps came after it.
+        self._long: deque[list] = deque(maxlen=self.LONG_RUN)
+
+    def record_plain(self, seconds: float) -> None:
+        """A plain lap took ``seconds``."""
+        ms = seconds * 1e3
+        with self._lock:
+            self.plain_ms = ms if self.plain_ms is None else (
+                (1 - self.ALPHA) * self.plain_ms + self.ALPHA * ms)
+
+    def record_tree(self, tokens: int, seconds: float) -> list:
+        """A tree step gained ``tokens`` in ``seconds``; returns its entry for ``charge``."""
+        entry = [tokens, seconds]
+        with self._lock:
+            self._long.append(entry)
+        return entry
+
+    def charge(self, entry: list, seconds: float) -> None:
+        """More time spent on the tree step of ``entry`` after it ended."""
+        with self._lock:
+            entry[1] += seconds
+
+    def long_run(self) -> tuple[int, int, float]:
+        """Steps, tokens and seconds of the last LONG_RUN tree steps."""
+        with self._lock:
+            return (len(self._long), sum(t for t, _ in self._long),
+                    sum(s for _, s in self._long))
 
 
 class GainMeter:
     """Chooses between a tree step and a plain step from measured rates.
 
-    ``plain_ms`` (a plain lap's wall time) is a property of the ring and persists across
-    generations, and so does the probing interval; each generation (``begin``) opens with a
-    trial step judged on its own.
+    ``plain_ms`` (a plain lap's wall time) and the long run of tree steps are properties of
+    the ring (``rates``, shared by a ring's slots); the probing interval persists across this
+    meter's generations; each generation (``begin``) opens with a trial judged on its own.
     """
 
     #: Tree steps in one trial (the first of a generation and every probe): one while steps
@@ -41,23 +90,25 @@ class GainMeter:
     #: Trees must beat plain laps by this factor: a trial is one step, its rate is noisy, and
     #: a draft that pays only within noise is not worth a tree step's extra compute.
     MARGIN = 1.1
-    #: Weight of the newest plain lap in the running mean of ``plain_ms``.
-    ALPHA = 0.25
 
     #: Mean tokens per tree step (over the last LONG_RUN, across generations) from which a
     #: one-token step does not end a trial.
     LIKELY_TOKENS = 2.5
-    #: Tree steps (across generations) the long-run judgement looks back on, and how many it
+    #: Tree steps (across generations, RingRates.LONG_RUN at most) the long-run judgement
     #: needs: a request alone on the ring keeps trees that pay over this longer run (``pays``).
-    LONG_RUN = 32
+    LONG_RUN = RingRates.LONG_RUN
     LONG_RUN_MIN = 8
 
-    def __init__(self) -> None:
-        self.plain_ms: float | None = None
+    def __init__(self, rates: RingRates | None = None) -> None:
+        self.rates = rates or RingRates()
         self._backoff = self.FIRST_WAIT
-        # (tokens, seconds) of the last LONG_RUN tree steps, across generations
-        self._long: deque[tuple[int, float]] = deque(maxlen=self.LONG_RUN)
+        self._last: list | None = None  # this meter's newest entry in rates' long run
         self.begin()
+
+    @property
+    def plain_ms(self) -> float | None:
+        """The running mean wall time of a plain lap on this ring."""
+        return self.rates.plain_ms
 
     def begin(self) -> None:
         """A new generation: judge the drafter on this prompt (a trial first)."""
@@ -108,33 +159,34 @@ class GainMeter:
         tokens = sum(t for t, _ in self._tree)
         if tokens <= len(self._tree):  # one token per step: what a plain lap gives
             return False
-        if self._beats_plain(self._tree):
+        if self._beats_plain(tokens, sum(s for _, s in self._tree)):
             return True
-        return sharers <= 1 and len(self._long) >= self.LONG_RUN_MIN and self._beats_plain(self._long)
+        if sharers > 1:
+            return False
+        steps, tokens, seconds = self.rates.long_run()
+        return steps >= self.LONG_RUN_MIN and self._beats_plain(tokens, seconds)
 
-    def _beats_plain(self, steps: deque[tuple[int, float]]) -> bool:
-        tokens = sum(t for t, _ in steps)
-        seconds = sum(s for _, s in steps)
-        assert self.plain_ms is not None
-        return tokens / max(seconds, 1e-9) > self.MARGIN * 1e3 / self.plain_ms
+    def _beats_plain(self, tokens: int, seconds: float) -> bool:
+        plain_ms = self.plain_ms
+        assert plain_ms is not None
+        return tokens / max(seconds, 1e-9) > self.MARGIN * 1e3 / plain_ms
 
     def record_plain(self, seconds: float) -> None:
-        ms = seconds * 1e3
-        self.plain_ms = ms if self.plain_ms is None else (
-            (1 - self.ALPHA) * self.plain_ms + self.ALPHA * ms)
+        """A plain lap took ``seconds``."""
+        self.rates.record_plain(seconds)
 
     def record_tree(self, tokens: int, seconds: float) -> None:
         """A tree step gained ``tokens`` in ``seconds``."""
         self._tree.append((tokens, seconds))
-        self._long.append((tokens, seconds))
+        self._last = self.rates.record_tree(tokens, seconds)
         if self._trial_left > 0:
             self._trial_steps += 1
             # A drafter whose steps usually gain several tokens gets the whole trial even
             # after a miss (1.5B/0.5B, 4 stages, 10 ms hops: a trial lost on a first-step
             # miss on a prompt where the other steps gained 3-37 tokens); one that gains
             # little (retrieval on fresh chat answers, 1.0-1.35 a step) ends it at a miss.
-            likely = (len(self._long) >= 4
-                      and sum(t for t, _ in self._long) / len(self._long) >= self.LIKELY_TOKENS)
+            steps, long_tokens, _ = self.rates.long_run()
+            likely = steps >= 4 and long_tokens / steps >= self.LIKELY_TOKENS
             gained_more = (tokens > 1 or likely) and self._trial_steps < self.TRIAL_MAX
             self._trial_left = 1 if gained_more else max(0, self._trial_left - 1)
 
@@ -143,5 +195,5 @@ class GainMeter:
         if self._tree:
             tokens, s = self._tree[-1]
             self._tree[-1] = (tokens, s + seconds)
-            if self._long:
-                self._long[-1] = (self._long[-1][0], self._long[-1][1] + seconds)
+            if self._last is not None:
+                self.rates.charge(self._last, seconds)

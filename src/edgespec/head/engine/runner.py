@@ -44,7 +44,7 @@ from edgespec.drafters.base import Drafter, DraftTree
 from edgespec.head.chain import Chain
 from edgespec.head.engine.cost import CostModel
 from edgespec.head.engine.flow import FlowMode
-from edgespec.head.engine.gain import GainMeter
+from edgespec.head.engine.gain import GainMeter, RingRates
 from edgespec.head.engine.inflight import TreeInFlight, sampling_config
 from edgespec.head.engine.none import NoneMode
 from edgespec.head.engine.stats import GenerationStats
@@ -63,7 +63,8 @@ class SpecEngine(NoneMode, SyncMode, FlowMode):
     def __init__(self, chain: Chain, *, drafter: Drafter | None = None, n_ctx: int = 4096,
                  is_eog: Callable[[int], bool] = lambda t: False, budget: int | None = None,
                  max_depth: int = 12, segments: int | None = None, prefill_chunk: int = 256,
-                 cost: CostModel | None = None, max_seqs: int = core.MAX_SEQS) -> None:
+                 cost: CostModel | None = None, ring_rates: RingRates | None = None,
+                 max_seqs: int = core.MAX_SEQS) -> None:
         self.chain = chain
         # Tree leaves at most (each owns a seq id 1..max_seqs): a slot of a ring serving
         # several sequences owns fewer seq ids (edgespec.head.slots).
@@ -75,8 +76,10 @@ class SpecEngine(NoneMode, SyncMode, FlowMode):
         self.max_depth = max_depth
         self.fixed_segments = segments
         self.prefill_chunk = prefill_chunk
+        # What the engine measures of the ring (the cost model, the gain meter's rates): a ring's
+        # slots share one of each (edgespec.api.Ring).
         self.cost = cost or CostModel()
-        self.gain = GainMeter()
+        self.gain = GainMeter(ring_rates)
         self.history: list[int] = []  # tokens committed in KV sequence 0 on every stage
         self.stats = GenerationStats()
         # Lap ids name batches on every stage (pruning remembers recent laps): start each head
