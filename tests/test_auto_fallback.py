@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import pytest
+from thread_helpers import race
 from tinygguf import make_tiny_gguf
 
 from edgespec.api import Ring
@@ -208,33 +209,16 @@ def test_slots_sharing_ring_rates_judge_a_fresh_slot_on_the_ring_s_long_run() ->
 def test_ring_rates_fed_by_slot_threads_lose_no_tree_step() -> None:
     """Slot threads record into and judge from one RingRates at once: no judgement trips
     over another thread's step, and every step and charge is counted."""
-    import sys
-    import threading
-
     rates = RingRates()
-    meters = [GainMeter(rates) for _ in range(4)]
-    errors: list[BaseException] = []
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can
-    try:
-        def feed(meter: GainMeter) -> None:
-            try:
-                for _ in range(3000):
-                    meter.record_tree(1, 0.001)
-                    meter.charge_tree(0.001)
-                    meter.record_plain(0.01)
-                    rates.long_run()  # what ``pays`` reads
-            except BaseException as e:  # asserted below, never lost in a thread
-                errors.append(e)
 
-        threads = [threading.Thread(target=feed, args=(m,)) for m in meters]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        sys.setswitchinterval(old)
-    assert not errors, errors
+    def feed(meter: GainMeter) -> None:
+        for _ in range(3000):
+            meter.record_tree(1, 0.001)
+            meter.charge_tree(0.001)
+            meter.record_plain(0.01)
+            rates.long_run()  # what ``pays`` reads
+
+    race(feed, [GainMeter(rates) for _ in range(4)])
     steps, tokens, seconds = rates.long_run()
     assert steps == tokens == RingRates.LONG_RUN
     assert seconds == pytest.approx(RingRates.LONG_RUN * 0.002)

@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 from test_auto_fallback import RightDrafter, _decode, _prompt, ring, tiny_target  # noqa: F401
+from thread_helpers import race
 
 from edgespec.head.engine import SpecEngine
 from edgespec.head.engine.cost import CostModel
@@ -31,26 +32,15 @@ def test_budget_shrinks_with_users_and_is_unchanged_for_one() -> None:
 def test_cost_model_shared_by_slot_threads_counts_every_observation() -> None:
     """The slots of a ring share one cost model (docs/design.md 5.8), fed by their threads at
     once: no observation is lost and the lap fit stays the one of the laps measured."""
-    import sys
-    import threading
-
     cost = CostModel()
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can
-    try:
-        def feed(k: int) -> None:
-            for i in range(3000):
-                cost.observe_rank(0 if i % 2 else None, 4)
-                cost.observe_lap(1 + (i + k) % 5, 40.0 + 3.0 * (1 + (i + k) % 5))
-                cost.observe_draft(2, 10.0)
 
-        threads = [threading.Thread(target=feed, args=(k,)) for k in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        sys.setswitchinterval(old)
+    def feed(k: int) -> None:
+        for i in range(3000):
+            cost.observe_rank(0 if i % 2 else None, 4)
+            cost.observe_lap(1 + (i + k) % 5, 40.0 + 3.0 * (1 + (i + k) % 5))
+            cost.observe_draft(2, 10.0)
+
+    race(feed, range(4))
     # every step tried rank 0: 12000 tries, half of them hits (on top of the prior's 10 and 6)
     assert cost.tries[0] == 10.0 + 12000 and cost.hits[0] == 6.0 + 6000
     assert cost.tries[1] == 10.0 + 6000  # the misses tried ranks 1-3 too
