@@ -192,10 +192,11 @@ def test_slots_drafting_with_one_shared_draft_model_equal_alone(real_model_path)
 
 
 def test_seeded_check_allows_a_draw_torn_at_a_boundary_only(ring4, real_model_path):
-    """The check above, on a case seen in CI: alone, token 16 drew 3796; next to other slots,
-    3736 (the uniform sat at 74% of the cumulative distribution, where a thousand tokens of
-    tiny probability lie in id order). Rounding's move of every logit draws both; the
-    likeliest tokens here, far from the uniform in the distribution, it cannot."""
+    """``assert_same_sampled`` (ring_fixtures) on a case seen in CI: alone, token 16 drew
+    3796; next to other slots, 3736 (the uniform sat at 74% of the cumulative distribution,
+    among many tokens of tiny probability in id order). Rounding's move of every logit
+    draws both; the likeliest tokens here, far from the uniform in the distribution, it
+    cannot."""
     prompt = _tokens(ring4, PROMPTS[3])
     ref = [364, 1151, 516, 364, 13250, 516, 364, 12203, 660, 220, 671, 1759, 315, 7987, 271,
            750, 3796]
