@@ -182,9 +182,9 @@ def test_lost_trial_alone_keeps_trees_that_pay_over_the_long_run() -> None:
 
 
 def test_slots_sharing_ring_rates_judge_a_fresh_slot_on_the_ring_s_long_run() -> None:
-    """One client's requests take a ring's free slots in turn: the slot a request lands on
-    judges its trial on the tree steps of every slot (RingRates, docs/design.md 5.8), not on
-    its own quarter of them; a slot of another ring knows nothing of them."""
+    """A user's successive chats rotate through a ring's free slots: the slot a request lands
+    on judges its trial on the tree steps of every slot (RingRates, docs/design.md 5.8), not
+    on its own quarter of them; a slot of another ring knows nothing of them."""
     rates = RingRates()
     first, second = GainMeter(rates), GainMeter(rates)
     other_ring = GainMeter()

@@ -24,9 +24,9 @@ from collections import deque
 class RingRates:
     """A plain lap's wall time and the last ``LONG_RUN`` tree steps of any generation: what a
     ``GainMeter`` measures of the ring. One per ring, shared by its slots' meters (slot
-    threads feed it at once, hence the lock): one client whose requests take the free slots
-    in turn would otherwise judge every request on a quarter of its history, and a slot's
-    first request on none."""
+    threads feed it at once, hence the lock): new conversations take the least recently used
+    free slot, so one user's successive chats rotate through the slots, and each would
+    otherwise be judged on a quarter of that user's history (a slot's first, on none)."""
 
     #: Weight of the newest plain lap in the running mean of ``plain_ms``.
     ALPHA = 0.25
