@@ -5,8 +5,11 @@ cells for prefix reuse. llama.cpp attends over the cache's used span (its ``n_kv
 other sequences' cells, so those cells may cost the busy slot time. Two middle stages of the
 1.5B model (layers 7-13, as a 4-stage ring's stage 1) in one process: A holds ``--cells`` of
 seq 0 only; B also holds ``--cells`` in each of 3 other slots' seqs (64, 128, 192), written
-first. Both time 1-row and 4-row decodes of seq 0, alternated (A first on even reps), each
-decode rolled back, so the state stays fixed. Prints JSON: median and quartiles per case.
+first. C is B with the 3 idle slots' sequences parked in host memory and seq 0 parked and
+restored, as a ring with slots does at every request's end and its next turn's start
+(``edgespec.node.kv_park``, docs/design.md 5.8). All time 1-row and 4-row decodes of seq 0,
+in turns (the first case rotates rep by rep), each decode rolled back, so the state stays
+fixed. Prints JSON: median and quartiles per case, and C's park and restore times.
 
     .venv/bin/python -m bench.stale_kv_probe            # about 2 minutes on the 2-core host
 """
@@ -44,10 +47,19 @@ def main(argv: list[str] | None = None) -> int:
     model = models.ensure(args.model)
     rng = np.random.default_rng(0)
     cases = {"A": stage(model, args.cells, [], rng),
-             "B": stage(model, args.cells, [64, 128, 192], rng)}
+             "B": stage(model, args.cells, [64, 128, 192], rng),
+             "C": stage(model, args.cells, [64, 128, 192], rng)}
+    t = time.perf_counter()
+    for seq in (64, 128, 192, 0):
+        cases["C"].kv_seq_park(seq)
+    parked = time.perf_counter()
+    cases["C"].kv_seq_restore(0)
+    park_ms = {"park_4_seqs": round((parked - t) * 1e3, 2),
+               "restore_1_seq": round((time.perf_counter() - parked) * 1e3, 2)}
+    names = list(cases)
     times: dict[str, list[float]] = {f"{c}_{n}row": [] for c in cases for n in (1, 4)}
     for rep in range(args.reps):
-        for name in ("A", "B") if rep % 2 == 0 else ("B", "A"):
+        for name in names[rep % 3:] + names[:rep % 3]:
             rt = cases[name]
             for n in (1, 4):
                 x = rng.standard_normal((n, rt.n_embd)).astype(np.float32) * 0.1
@@ -55,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                 rt.forward(x, args.cells, seq_ids=[[0]] * n)
                 times[f"{name}_{n}row"].append((time.perf_counter() - t) * 1e3)
                 rt.kv_seq_rm(0, args.cells, -1)
-    out = {"machine": machine_info(), "settings": vars(args),
+    out = {"machine": machine_info(), "settings": vars(args), "C_park_ms": park_ms,
            "decode_ms": {k: {"median": round(statistics.median(v), 2),
                              "p25": round(float(np.percentile(v, 25)), 2),
                              "p75": round(float(np.percentile(v, 75)), 2)}

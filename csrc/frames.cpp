@@ -76,10 +76,12 @@ bool all_non_negative(const I32Array &a) {
 // One KV operation as edgespec.wire.codec.kv_ops_list accepts it (codes of tree/kvop.py).
 bool kv_op_ok(const int32_t *r) {
     const int32_t code = r[0], seq = r[1], p0 = r[2], p1 = r[3], arg = r[4];
-    if (code < 1 || code > 4) return false;
+    if (code < 1 || code > 6) return false;
     if (seq < 0 || p0 < -1 || p1 < -1 || (p0 >= 0 && p1 >= 0 && p1 < p0)) return false;
     if (code == 2 && arg < 0) return false;            // CP needs a destination
-    if ((code == 1 || code == 3) && arg != 0) return false;  // RM, KEEP take no argument
+    // RM, KEEP, PARK, RESTORE take no argument; PARK and RESTORE a whole sequence
+    if (code != 2 && code != 4 && arg != 0) return false;
+    if (code >= 5 && (p0 != -1 || p1 != -1)) return false;
     return true;
 }
 

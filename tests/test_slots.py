@@ -66,6 +66,38 @@ def test_slot_chain_maps_seq_ids_and_kv_ops_into_its_range():
         sc._ops([KvOp(KvOpCode.CP, 0, -1, -1, width)])
 
 
+class _Recorder:
+    """A chain that records the KV operations sent over it."""
+
+    def __init__(self) -> None:
+        self.sent: list[list[KvOp]] = []
+
+    def kv(self, ops) -> None:
+        self.sent.append(list(ops))
+
+
+def test_slot_chain_parks_between_requests_and_restores_first():
+    """Pure mapping: ``park`` clears the slot's tree seqs and parks its committed one; the
+    next operations get a RESTORE in front, unless they remove the committed sequence whole
+    (the stages drop the parked copy then)."""
+    rec = _Recorder()
+    sc = SlotChain(Demux(rec), 1, 64)  # seqs 64..127
+    sc._ops([KvOp(KvOpCode.CP, 0, -1, -1, 2)])
+    sc._ops([KvOp(KvOpCode.KEEP, 0)])  # only seq 0 may hold KV now
+    sc.park()
+    assert rec.sent[-1] == [KvOp(KvOpCode.PARK, 64)] and sc.parked
+    sc.park()  # parked already: nothing sent
+    assert len(rec.sent) == 1
+    sc.kv([KvOp(KvOpCode.RM, 0, 40, -1)])  # the next turn keeps 40 positions
+    assert rec.sent[-1] == [KvOp(KvOpCode.RESTORE, 64), KvOp(KvOpCode.RM, 64, 40, -1)]
+    sc.kv([KvOp(KvOpCode.CP, 0, -1, -1, 5)])
+    sc.park()
+    assert rec.sent[-1][-1] == KvOp(KvOpCode.PARK, 64)
+    assert {op.seq for op in rec.sent[-1][:-1]} >= {69}  # the tree seq it used, cleared first
+    sc.kv([KvOp(KvOpCode.RM, 0, 0, -1)])  # a new conversation: no restore
+    assert rec.sent[-1] == [KvOp(KvOpCode.RM, 64, 0, -1)] and not sc.parked
+
+
 # ------------------------------------------------------------------------- fixtures
 
 
@@ -233,7 +265,7 @@ def test_seeded_sampling_concurrent_equals_alone(ring4, real_model_path):
 # ------------------------------------------------------------------------- prefix reuse
 
 
-def test_next_turn_on_its_slot_computes_only_new_tokens(ring4):
+def test_next_turn_on_its_slot_computes_only_new_tokens(ring4, real_model_path):
     ring = ring4
     ring.reset()
     convs = [_tokens(ring, p) for p in PROMPTS[:4]]
@@ -249,6 +281,13 @@ def test_next_turn_on_its_slot_computes_only_new_tokens(ring4):
     held = [s.engine.history for s in ring.pool.slots]
     for t, g in zip(nxt, second, strict=True):
         assert t + g.tokens[:-1] in held
+    # The reused prefixes were parked between the turns (on the nodes, over the wire) and
+    # restored: the answers are those of the same prompts computed from nothing.
+    ring.reset()
+    for t, g in zip(nxt, second, strict=True):
+        fresh = ring.generate(t, max_tokens=8, spec="none")
+        assert fresh.stats.prefill_tokens == len(t)
+        assert_same_greedy(g.tokens, fresh.tokens, real_model_path, t, "after a restore")
 
 
 def test_a_failed_request_ends_alone(ring4, real_model_path):
@@ -310,12 +349,20 @@ def test_requests_never_see_each_others_tokens(local2, real_model_path):
     n = len(history_a)
     assert all(stage[0] == (0, n) for stage in kv_a)  # its committed sequence
     assert all(st == (-1, 0) for stage in kv_a for st in stage[1:])  # no tree seq left
-    # B fills the other slot; A's slot is untouched on every stage.
+    # B fills the other slot; A's conversation is parked meanwhile: on every stage no cell of
+    # A's slot is live (docs/design.md 5.8) and its history stays.
     gb = ring.generate(b, max_tokens=N, spec="flow")
     slot_b = next(s for s in ring.pool.slots if s is not slot_a)
     assert slot_b.engine.history[: len(_tokens(ring, b))] == _tokens(ring, b)
-    assert slot_a.engine.history == history_a and _slot_kv(ring, slot_a) == kv_a
+    assert slot_a.engine.history == history_a and slot_a.info()["kv_parked"]
+    assert all(st == (-1, 0) for stage in _slot_kv(ring, slot_a) for st in stage)
+    assert all(rt.parked_bytes > 0 for rt in ring.chain.worker.runtimes)
     assert all(stage[0] == (0, len(slot_b.engine.history)) for stage in _slot_kv(ring, slot_b))
+    # A's next turn on A's slot: the parked cells come back, only the new tokens are computed.
+    nxt = _tokens(ring, a) + ref + _tokens(ring, "\n\n# now test it with a short list\n")[-5:]
+    g2 = ring.generate(nxt, max_tokens=8, spec="flow")
+    assert g2.stats.prefill_tokens == 6 and slot_a.engine.history[:n] == history_a
+    assert all(stage[0] == (0, len(slot_a.engine.history)) for stage in _slot_kv(ring, slot_a))
     # A and B at once: A's answer is A's alone, B's is B's.
     ring.reset()
     ga, gb2 = _concurrently(lambda p: ring.generate(p, max_tokens=N, spec="flow"), [a, b])

@@ -123,6 +123,8 @@ def test_kv_ops_commit_prune_result_control_roundtrip() -> None:
         (tokens_message(np.array([1.5]), [0], seq_matrix([[0]])), "integer"),
         (Message(Kind.KV_OPS, {FieldTag.KV_OPS: [(9, 0, 0, 0, 0)]}), "unknown operation"),
         (Message(Kind.KV_OPS, {FieldTag.KV_OPS: [(1, 0, 5, 2, 0)]}), "bad arguments"),
+        (Message(Kind.KV_OPS, {FieldTag.KV_OPS: [(5, 3, -1, -1, 4)]}), "no argument"),
+        (Message(Kind.KV_OPS, {FieldTag.KV_OPS: [(6, 3, 0, -1, 0)]}), "whole sequence"),
         (Message(Kind.CONTROL, {FieldTag.META: ["op"]}), "mapping"),
         (Message(Kind.CONTROL, {FieldTag.META: {"x": float("nan")}}), "JSON"),
         (Message(Kind.CLOSE, flags=0x80), "flag"),

@@ -21,8 +21,9 @@ from edgespec.wire.transport import Frame
 def _batch(rng: np.random.Generator, n: int, k: int) -> Batch:
     ids = [sorted(rng.choice(12, size=int(rng.integers(1, k + 1)), replace=False).tolist())
            for _ in range(n)]
-    ops = ([KvOp(KvOpCode.CP, 1, 0, 5, 3), KvOp(KvOpCode.RM, 2, -1, -1, 0),
-            KvOp(KvOpCode.KEEP, 0, -1, -1, 0)] if rng.random() < 0.5 else [])
+    ops = ([KvOp(KvOpCode.RESTORE, 4, -1, -1, 0), KvOp(KvOpCode.CP, 1, 0, 5, 3),
+            KvOp(KvOpCode.RM, 2, -1, -1, 0), KvOp(KvOpCode.KEEP, 0, -1, -1, 0)]
+           if rng.random() < 0.5 else [])
     return Batch(rng.integers(0, 150_000, n), np.arange(10, 10 + n), SeqIds.from_lists(ids),
                  rng.permutation(n), rng.random(n) < 0.5, lap=int(rng.integers(0, 2**31)),
                  segment=int(rng.integers(0, 9)), pre_ops=ops,
@@ -51,6 +52,7 @@ def test_core_numbers_are_the_wire_modules():
                                   "KV_OPS", "NODES", "META")] == [1, 2, 3, 4, 5, 6, 8, 9]
     assert (Encoding.I32, Encoding.F32, Encoding.BITS, Encoding.JSON) == (1, 2, 5, 6)
     assert (KvOpCode.RM, KvOpCode.CP, KvOpCode.KEEP, KvOpCode.ADD) == (1, 2, 3, 4)
+    assert (KvOpCode.PARK, KvOpCode.RESTORE) == (5, 6)
 
 
 @pytest.mark.parametrize("with_hidden", [False, True])
@@ -83,6 +85,12 @@ def test_what_the_fast_path_does_not_take_goes_to_the_codec():
     bad = Batch(np.array([1, 2]), np.array([0, -1]), SeqIds.single(2), np.arange(2), np.ones(2, bool))
     assert _fast_payload(bad, None, "f32", 0, None) is None
     with pytest.raises(WireError, match="POSITIONS: negative"):
+        encode_frame(batch_message(bad))
+    # A restore of part of a sequence: both refuse it.
+    bad = Batch(np.array([1]), np.array([0]), SeqIds.single(1), np.arange(1), np.ones(1, bool),
+                pre_ops=[KvOp(KvOpCode.RESTORE, 4, 0, -1, 0)])
+    assert _fast_payload(bad, None, "f32", 0, None) is None
+    with pytest.raises(WireError, match="whole sequence"):
         encode_frame(batch_message(bad))
     # An f16 frame is not the fast path's: the codec reads it, to the same batch.
     msg = batch_message(b, hidden, "f16", stage=1)

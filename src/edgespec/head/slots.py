@@ -1,6 +1,10 @@
 """Slots: one ring serving ``S`` sequences at once (issue 15; docs/design.md 3, "KV
 discipline", holds per slot).
 
+Over 450 lines: the slot's view of the chain (``SlotChain``), result routing (``Demux``) and
+admission (``SlotPool``) share one partition of seq ids and laps; apart, each would restate
+the others' invariants.
+
 The nodes' contexts hold ``n_seq_max = 256`` llama.cpp sequences (``edgespec.head.formation``).
 With ``parallel=S`` slot ``i`` owns the seq ids ``[i*W, (i+1)*W)``, ``W = 256 // S``: seq
 ``i*W`` is its committed history (the engine's "sequence 0"), the rest its tree seqs (its
@@ -13,7 +17,11 @@ the shared chain
 - routes results back: the shared chain's ``next_result`` is read by whichever slot asks
   first (``Demux``: one reader at a time), and answers for other slots' laps go to their
   queues; a lost node (``NodeLost``) goes to every slot;
-- ``abandon()`` gives up only its own laps.
+- ``abandon()`` gives up only its own laps;
+- ``park()``: when a request ends, every stage moves the slot's committed cells into host
+  memory (``edgespec.node.kv_park``); its next batch or KV operation first restores them. An
+  idle slot's conversation then costs the busy slots' attention nothing (docs/design.md 5.8),
+  and its next turn still computes only its new tokens.
 
 ``SlotPool`` hands slots to requests: the free slot whose committed history shares the
 longest prefix with the prompt (a conversation's next turn computes only its new tokens),
@@ -115,6 +123,7 @@ class SlotChain:
         # Highest local seq that may hold KV: KEEP/clear remove only up to it. Unknown at
         # first (an earlier head may have left anything): the whole range.
         self._top = width - 1
+        self.parked = False
         demux.slots.append(self)
 
     @property
@@ -156,6 +165,33 @@ class SlotChain:
                 out.append(KvOp(code, self.base + seq, op.p0, op.p1, op.arg))
         return out
 
+    def park(self) -> None:
+        """Between requests: every stage copies this slot's committed cells into its host
+        memory and frees them, so they cost other slots' decodes nothing (docs/design.md
+        5.8); the slot's next batch or KV operation first puts them back."""
+        if self.parked:
+            return
+        ops = [*self._rm_all(0), KvOp(KvOpCode.PARK, self.base)]
+        try:
+            self.demux.chain.kv(ops)
+        except TransportError as e:
+            raise NodeLost(f"the ring's chain is gone: {e}") from e
+        self._top = 0
+        self.parked = True
+
+    def _unpark(self, ops: Sequence[KvOp]) -> list[KvOp]:
+        """The RESTORE due before a parked slot's next ``ops`` (local seq ids). None when they
+        begin by removing its committed sequence whole: the stages then drop the parked copy
+        (a new conversation on this slot, or a reset)."""
+        if not self.parked:
+            return []
+        self.parked = False
+        first = ops[0] if ops else None
+        if (first is not None and first.code == KvOpCode.RM and first.seq in (0, -1)
+                and first.p0 <= 0 and first.p1 < 0):
+            return []
+        return [KvOp(KvOpCode.RESTORE, self.base)]
+
     # ------------------------------------------------------------ the Chain protocol
 
     def submit(self, batch: Batch) -> None:
@@ -166,7 +202,8 @@ class SlotChain:
         self._top = max(self._top, top)
         moved = type(sid)._of(sid.ids + self.base, sid.counts) if self.base else sid
         out = Batch(batch.tokens, batch.pos, moved, batch.nodes, batch.want, batch.lap,
-                    batch.segment, self._ops(batch.pre_ops), batch.sampling, batch.timing)
+                    batch.segment, self._unpark(batch.pre_ops) + self._ops(batch.pre_ops),
+                    batch.sampling, batch.timing)
         self._laps.add(batch.lap)
         self.demux.own(batch.lap, self)
         try:
@@ -175,7 +212,7 @@ class SlotChain:
             raise NodeLost(f"the ring's chain is gone: {e}") from e
 
     def kv(self, ops: Sequence[KvOp]) -> None:
-        mapped = self._ops(ops)
+        mapped = self._unpark(ops) + self._ops(ops)
         if mapped:
             try:
                 self.demux.chain.kv(mapped)
@@ -183,6 +220,8 @@ class SlotChain:
                 raise NodeLost(f"the ring's chain is gone: {e}") from e
 
     def prune(self, nodes: Iterable[int], ops: Sequence[KvOp] = (), lap: int = 0) -> None:
+        if self.parked:  # prunes apply out of order: the cells come back first
+            self.kv(())
         self.demux.chain.prune(nodes, self._ops(ops), lap=lap)
 
     def has_result(self) -> bool:
@@ -275,7 +314,8 @@ class Slot:
         speed = stats.tokens_per_s if busy else self.tokens_per_s
         return {"slot": self.index, "state": "busy" if busy else "free", "tokens": tokens,
                 "tokens_per_s": round(speed, 3), "prompt_tokens": self.prompt_tokens,
-                "history_tokens": len(self.engine.history)}
+                "history_tokens": len(self.engine.history),
+                "kv_parked": bool(getattr(self.session.chain, "parked", False))}
 
 
 class SlotPool:
@@ -371,6 +411,7 @@ class SlotPool:
             self._refresh(slot)
             yield slot
         finally:
+            self._park(slot)
             with self._cond:
                 slot.busy = False
                 slot.last_used = time.monotonic()
@@ -388,6 +429,15 @@ class SlotPool:
                 slot.engine.replace_chain(sc)
             else:
                 slot.session.chain.forget_done()
+
+    def _park(self, slot: Slot) -> None:
+        """A slot's request ended: park its conversation's cells (``SlotChain.park``)."""
+        if self.demux is None or slot.epoch != self.epoch or not slot.engine.history:
+            return
+        try:
+            slot.session.chain.park()
+        except NodeLost as e:  # its next request finds the ring lost and recovers
+            log.debug("slot %d: not parked: %s", slot.index, e)
 
     @property
     def current_chain(self) -> Chain:

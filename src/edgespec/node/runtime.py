@@ -43,6 +43,7 @@ from edgespec.llm import capi, llamacpp
 from edgespec.llm.architectures import ARCHITECTURES
 from edgespec.llm.gguf_read import CorruptShardError, ShardError, ShardInfo, file_sha256, read_info
 from edgespec.llm.shards import MANIFEST_NAME, Manifest, cut_window, shard_file_name
+from edgespec.node.kv_park import KvParking
 from edgespec.tree.kvop import KvOp, KvOpCode
 
 __all__ = [
@@ -274,6 +275,7 @@ class StageRuntime(llamacpp.Closing):
         self.n_seq_max: int = n_seq_max
         self.n_threads: int = self._ctx.n_threads
         self._mem = self._ctx.memory
+        self._parking = KvParking()  # idle slots' sequences, parked (docs/design.md 5.8)
         self._alloc_batch()
 
     # ---------------------------------------------------------------------------------------
@@ -599,6 +601,7 @@ class StageRuntime(llamacpp.Closing):
             self._check_seq(seq, allow_all=True)
             if not capi.llama_memory_seq_rm(self._mem, int(seq), int(p0), int(p1)):
                 raise StageError(f"llama.cpp refused to remove seq {seq} positions [{p0}, {p1})")
+            self._parking.forget(int(seq), int(p0), int(p1))
 
     def kv_seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
         """Make ``dst`` also see the cells of ``src`` in ``[p0, p1)`` (no data is copied)."""
@@ -614,6 +617,32 @@ class StageRuntime(llamacpp.Closing):
             self._require_open()
             self._check_seq(seq)
             capi.llama_memory_seq_keep(self._mem, int(seq))
+            self._parking.keep_only(int(seq))
+
+    def kv_seq_park(self, seq: int) -> int:
+        """Copy ``seq``'s cells into host memory and free them (``edgespec.node.kv_park``);
+        returns the bytes parked (0: it was empty, or it stays live)."""
+        with self._lock:
+            self._require_open()
+            self._check_seq(seq)
+            return self._parking.park(self._ctx.ptr, self._mem, int(seq))  # type: ignore[union-attr]
+
+    def kv_seq_restore(self, seq: int) -> bool:
+        """Put ``seq``'s parked cells back; False when none are parked. ``KVCacheFullError``
+        when the cache has no room for them (``seq`` is then empty)."""
+        with self._lock:
+            self._require_open()
+            self._check_seq(seq)
+            try:
+                return self._parking.restore(self._ctx.ptr, self._mem, int(seq))  # type: ignore[union-attr]
+            except MemoryError as e:
+                raise KVCacheFullError(f"stage {self.layer_range}: {e}") from None
+
+    @property
+    def parked_bytes(self) -> int:
+        """Host memory that parked sequences hold."""
+        with self._lock:
+            return self._parking.nbytes()
 
     def keep_seqs(self, seqs: Iterable[int]) -> None:
         """Drop every sequence not in ``seqs`` (keep a subtree's leaves plus the main seq)."""
@@ -625,6 +654,7 @@ class StageRuntime(llamacpp.Closing):
             for s in range(self.n_seq_max):
                 if s not in keep:
                     capi.llama_memory_seq_rm(self._mem, s, -1, -1)
+                    self._parking.forget(s, -1, -1)
 
     def commit_path(self, seq: int, p0: int = -1, p1: int = -1, main: int = 0) -> None:
         """Accept the path stored in ``seq`` over positions ``[p0, p1)`` into ``main`` and drop
@@ -636,6 +666,7 @@ class StageRuntime(llamacpp.Closing):
             if seq != main:
                 capi.llama_memory_seq_cp(self._mem, int(seq), int(main), int(p0), int(p1))
             capi.llama_memory_seq_keep(self._mem, int(main))
+            self._parking.keep_only(int(main))
             if p1 >= 0:
                 capi.llama_memory_seq_rm(self._mem, int(main), int(p1), -1)
 
@@ -652,6 +683,7 @@ class StageRuntime(llamacpp.Closing):
         * ``CP(seq -> arg, p0, p1)``: :meth:`kv_seq_cp`
         * ``RM(seq, p0, p1)``: :meth:`kv_seq_rm` (seq -1 = all)
         * ``KEEP(seq)``: :meth:`kv_seq_keep`
+        * ``PARK(seq)``, ``RESTORE(seq)``: :meth:`kv_seq_park`, :meth:`kv_seq_restore`
         """
         plan = []
         for op in ops:
@@ -667,10 +699,11 @@ class StageRuntime(llamacpp.Closing):
                 self._check_seq(arg)
             elif code == KvOpCode.RM:
                 self._check_seq(seq, allow_all=True)
-            elif code == KvOpCode.KEEP:
+            elif code in (KvOpCode.KEEP, KvOpCode.PARK, KvOpCode.RESTORE):
                 self._check_seq(seq)
             else:
-                raise InputError(f"unknown KV op {code.name} for a stage (expected RM, CP or KEEP)")
+                raise InputError(f"unknown KV op {code.name} for a stage (expected RM, CP, "
+                                 f"KEEP, PARK or RESTORE)")
             plan.append((code, seq, p0, p1, arg))
         with self._lock:
             self._require_open()
@@ -680,14 +713,21 @@ class StageRuntime(llamacpp.Closing):
                 elif code == KvOpCode.RM:
                     if not capi.llama_memory_seq_rm(self._mem, seq, p0, p1):
                         raise StageError(f"llama.cpp refused to remove seq {seq} positions [{p0}, {p1})")
+                    self._parking.forget(seq, p0, p1)
+                elif code == KvOpCode.PARK:
+                    self.kv_seq_park(seq)  # the lock is re-entrant
+                elif code == KvOpCode.RESTORE:
+                    self.kv_seq_restore(seq)
                 else:
                     capi.llama_memory_seq_keep(self._mem, seq)
+                    self._parking.keep_only(seq)
 
     def reset(self) -> None:
         """Empty the KV cache (all sequences)."""
         with self._lock:
             self._require_open()
             capi.llama_memory_clear(self._mem, True)
+            self._parking.clear()
 
     # ---------------------------------------------------------------------------------------
     # neighbours and lifetime

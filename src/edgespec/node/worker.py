@@ -224,5 +224,9 @@ def apply_kv_ops(rt, ops: Sequence[KvOp]) -> None:
             rt.kv_seq_rm(op.seq, op.p0, op.p1)
         elif code == KvOpCode.KEEP:
             rt.kv_seq_keep(op.seq)
+        elif code == KvOpCode.PARK:
+            rt.kv_seq_park(op.seq)
+        elif code == KvOpCode.RESTORE:
+            rt.kv_seq_restore(op.seq)
         else:
             raise ValueError(f"unsupported KV operation {code.name}")

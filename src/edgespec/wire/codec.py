@@ -640,8 +640,10 @@ def kv_ops_list(arr: Any) -> list[KvOp]:
             raise WireError(f"KV_OPS: bad arguments {row}")
         if code == KvOpCode.CP and arg < 0:
             raise WireError(f"KV_OPS: copy needs a destination sequence, got {arg}")
-        if code in (KvOpCode.RM, KvOpCode.KEEP) and arg != 0:
+        if code in (KvOpCode.RM, KvOpCode.KEEP, KvOpCode.PARK, KvOpCode.RESTORE) and arg != 0:
             raise WireError(f"KV_OPS: {code.name} takes no argument, got {arg}")
+        if code in (KvOpCode.PARK, KvOpCode.RESTORE) and (p0 != -1 or p1 != -1):
+            raise WireError(f"KV_OPS: {code.name} takes a whole sequence, got {row}")
         if not all(-(2**31) <= v < 2**31 for v in row):
             raise WireError(f"KV_OPS: value out of int32 range in {row}")
         out.append(KvOp(code, seq, p0, p1, arg))
