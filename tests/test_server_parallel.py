@@ -221,7 +221,8 @@ def test_health_and_v1_ring_show_the_slots(served):
     assert h["parallel"] == PARALLEL == ring.parallel
     assert [s["slot"] for s in h["slots"]] == list(range(PARALLEL))
     for s in h["slots"]:
-        assert {"state", "tokens", "tokens_per_s", "prompt_tokens", "history_tokens"} <= set(s)
+        assert {"state", "tokens", "tokens_per_s", "prompt_tokens", "history_tokens",
+                "kv_parked"} <= set(s)
     with urllib.request.urlopen(url + "/v1/ring", timeout=60) as r:
         snap = json.loads(r.read())
     assert snap["parallel"] == PARALLEL and len(snap["slots"]) == PARALLEL
@@ -301,6 +302,8 @@ def test_ring_status_shows_the_slots_of_the_running_server(served, tmp_path, mon
         out = capsys.readouterr().out
         assert f"slots (edgespec serve at {url}): {PARALLEL}" in out
         assert out.count(" free ") + out.count(" busy ") >= PARALLEL
+        # Where each slot's history is: parked between turns, live, or none.
+        assert sum(out.count(f" {kv}\n") for kv in ("parked", "live", "-")) == PARALLEL
         assert main(["ring", "status", "--json"]) == 0
         view = json.loads(capsys.readouterr().out)
         assert view["parallel"] == PARALLEL and len(view["slots"]) == PARALLEL

@@ -106,15 +106,17 @@ _HINT = "start `edgespec node` again on those devices, then `edgespec ring rebal
 
 def slot_lines(slots: Sequence[dict[str, Any]]) -> list[str]:
     """The slots as ``ring status`` prints them: one line each (busy/free, tokens of the
-    current or last request, its decode speed, prompt and committed history)."""
+    current or last request, its decode speed, prompt and committed history, and where that
+    history's KV is: live in the stages' caches, or parked in their host memory)."""
     out = [f"{'slot':>4}  {'state':<5} {'tokens':>7} {'tok/s':>8} {'prompt':>7} "
-           f"{'history':>8}"]
+           f"{'history':>8} kv"]
     for s in slots:
         speed = s.get("tokens_per_s")
         out.append(f"{s.get('slot', '?'):>4}  {s.get('state', '?'):<5} "
                    f"{s.get('tokens', 0) or 0:>7} "
                    f"{'-' if speed is None else f'{float(speed):.2f}':>8} "
-                   f"{s.get('prompt_tokens', 0) or 0:>7} {s.get('history_tokens', 0) or 0:>8}")
+                   f"{s.get('prompt_tokens', 0) or 0:>7} {s.get('history_tokens', 0) or 0:>8} "
+                   f"{'parked' if s.get('kv_parked') else 'live' if s.get('history_tokens') else '-'}")
     return out
 
 

@@ -23,12 +23,13 @@ model. Since one model is served, any other name is served too, with a warning i
 
     {"status": "ok", "model": <served name>, "serving": 0..S, "queued": <waiting requests>,
      "max_queue": N, "parallel": S, "slots": [{"slot", "state", "tokens", "tokens_per_s",
-     "prompt_tokens", "history_tokens"}, ...], "completed": N, "abandoned": N,
+     "prompt_tokens", "history_tokens", "kv_parked"}, ...], "completed": N, "abandoned": N,
      "rejected": N, "recoveries": N, "viewers": N}
 
 ``serving``/``queued``: the requests on the ring and those waiting for a slot; ``parallel``
 and ``slots``: the ring's slots (``Ring.slots()``: busy/free, tokens of the current or last
-request, its decode speed, its prompt, the committed tokens the slot holds); ``completed``,
+request, its decode speed, its prompt, the committed tokens the slot holds and whether
+their KV is parked in the stages' host memory); ``completed``,
 ``abandoned`` (the client left before its generation ended), ``rejected`` (429: queue full)
 count requests since start; ``recoveries`` counts ring rebuilds after a node was lost;
 ``viewers``: web pages following the live view now.
