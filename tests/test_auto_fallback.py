@@ -206,6 +206,27 @@ def test_slots_sharing_ring_rates_judge_a_fresh_slot_on_the_ring_s_long_run() ->
     assert seconds == pytest.approx(8 * 0.5 + 3 * 0.4 + 0.15 + 0.2)
 
 
+def test_a_request_alone_is_judged_on_steps_taken_alone() -> None:
+    """Tree steps and plain laps measured while other requests decoded are slower (their
+    batches share the stages). A request alone on the ring judges its trial on the long run
+    of steps taken alone, whatever a busy spell left in the run of every step."""
+    rates = RingRates()
+    before, busy, after = GainMeter(rates), GainMeter(rates), GainMeter(rates)
+    before.record_plain(0.1)
+    for _ in range(GainMeter.LONG_RUN_MIN):
+        before.record_tree(20, 0.5)  # alone: 40 tok/s against plain laps' 10
+    for _ in range(RingRates.LONG_RUN):  # 4 requests at once: trees no better than plain
+        busy.record_tree(3, 0.9, sharers=4)
+        busy.record_plain(0.3, sharers=4)
+    steps, tokens, seconds = rates.long_run()
+    assert steps == RingRates.LONG_RUN and tokens / seconds == pytest.approx(10 / 3)
+    assert rates.long_run(alone=True)[0] == GainMeter.LONG_RUN_MIN
+    assert rates.plain_ms_alone == pytest.approx(100.0) and rates.plain_ms > 250.0
+    slow_start = [(2, 0.8)] * GainMeter.TRIAL_MAX  # 2.5 tok/s: loses on its own
+    assert _trial(after, slow_start)  # alone: the steps taken alone say trees pay
+    assert not _trial(after, slow_start, sharers=2)  # beside others: its own rate decides
+
+
 def test_ring_rates_fed_by_slot_threads_lose_no_tree_step() -> None:
     """Slot threads record into and judge from one RingRates at once: no judgement trips
     over another thread's step, and every step and charge is counted."""

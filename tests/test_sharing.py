@@ -29,6 +29,24 @@ def test_budget_shrinks_with_users_and_is_unchanged_for_one() -> None:
         cost.expected_tokens(8) / (40.0 + 4 * 3.0 * 9 + cost.draft_ms * 8))
 
 
+def test_laps_measured_beside_other_requests_do_not_move_the_lap_fit() -> None:
+    """A lap that shared the ring waited behind the others' batches; ``rate`` charges that
+    separately (users x the row cost). Fitted, it would make laps look dear once the request
+    is alone again, and a lone request would choose bigger trees than on a quiet ring."""
+    clean, polluted = CostModel(), CostModel()
+    for cost in (clean, polluted):
+        cost.hits[:] = [8.0, 2.0, 1.0, 0.5]
+        for rows in (1, 5, 9):
+            cost.observe_lap(rows, 40.0 + 3.0 * rows)
+    fit = (clean.lap_a, clean.lap_b)
+    assert fit == pytest.approx((40.0, 3.0))
+    for rows in (1, 1, 5, 9):  # 4 requests at once: every lap waits for the others
+        clean.observe_lap(rows, 300.0 + 3.0 * rows, users=4)
+        polluted.observe_lap(rows, 300.0 + 3.0 * rows)
+    assert (clean.lap_a, clean.lap_b) == fit
+    assert polluted.choose(users=1) > clean.choose(users=1) > 0
+
+
 def test_cost_model_shared_by_slot_threads_counts_every_observation() -> None:
     """The slots of a ring share one cost model (docs/design.md 5.8), fed by their threads at
     once: no observation is lost and the lap fit stays the one of the laps measured."""

@@ -46,6 +46,7 @@ class FlowMode:
         stale = self._stale  # lap -> results still to come from decided trees
         gain = self.gain
         while True:
+            users = self.sharers()  # requests decoding during the step, at most (gain.py)
             seg = self._flow_segment()
             t_step = time.perf_counter()
             if seg == 0:
@@ -55,7 +56,7 @@ class FlowMode:
                 gained = self._plain_step(root, sampling)
                 root = gained[-1]
                 yield gained
-                gain.record_plain(time.perf_counter() - t)
+                gain.record_plain(time.perf_counter() - t, max(users, self.sharers()))
                 continue
             # Start the ring on the first segment at once; the rest of the tree is drafted
             # while that segment is in flight (below).
@@ -119,7 +120,8 @@ class FlowMode:
             gained = self._finish_tree(rnd, decision)
             root = gained[-1]
             yield gained[streamed:]
-            gain.record_tree(len(gained), time.perf_counter() - t_step)
+            gain.record_tree(len(gained), time.perf_counter() - t_step,
+                             max(users, self.sharers()))
 
     def _prune(self, rnd: TreeInFlight, d) -> None:
         """After a partial decision: drop rows off the accepted path from batches still in

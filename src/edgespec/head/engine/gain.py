@@ -26,7 +26,13 @@ class RingRates:
     ``GainMeter`` measures of the ring. One per ring, shared by its slots' meters (slot
     threads feed it at once, hence the lock): new conversations take the least recently used
     free slot, so one user's successive chats rotate through the slots, and each would
-    otherwise be judged on a quarter of that user's history (a slot's first, on none)."""
+    otherwise be judged on a quarter of that user's history (a slot's first, on none).
+
+    Both are kept twice: over every step, and over the steps of requests alone on the ring
+    (``alone``), which is what a request alone is judged on. Steps taken while others decode
+    are slower for it (their batches share the stages), plain laps and tree steps unlike
+    (trees add rows to everyone's laps): a busy spell's steps say nothing of what a tree
+    brings a request alone (docs/design.md 5.8)."""
 
     #: Weight of the newest plain lap in the running mean of ``plain_ms``.
     ALPHA = 0.25
@@ -36,22 +42,31 @@ class RingRates:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.plain_ms: float | None = None
-        # [tokens, seconds] of the last LONG_RUN tree steps; a meter may still charge its own
-        # last entry (``charge``), whichever slot's steps came after it.
+        self.plain_ms_alone: float | None = None
+        # [tokens, seconds] of the last LONG_RUN tree steps (and of those taken alone); a
+        # meter may still charge its own last entry (``charge``), whichever slot's steps came
+        # after it.
         self._long: deque[list] = deque(maxlen=self.LONG_RUN)
+        self._long_alone: deque[list] = deque(maxlen=self.LONG_RUN)
 
-    def record_plain(self, seconds: float) -> None:
-        """A plain lap took ``seconds``."""
+    def _mean(self, old: float | None, ms: float) -> float:
+        return ms if old is None else (1 - self.ALPHA) * old + self.ALPHA * ms
+
+    def record_plain(self, seconds: float, alone: bool = True) -> None:
+        """A plain lap took ``seconds``; ``alone``: no other request decoded meanwhile."""
         ms = seconds * 1e3
         with self._lock:
-            self.plain_ms = ms if self.plain_ms is None else (
-                (1 - self.ALPHA) * self.plain_ms + self.ALPHA * ms)
+            self.plain_ms = self._mean(self.plain_ms, ms)
+            if alone:
+                self.plain_ms_alone = self._mean(self.plain_ms_alone, ms)
 
-    def record_tree(self, tokens: int, seconds: float) -> list:
+    def record_tree(self, tokens: int, seconds: float, alone: bool = True) -> list:
         """A tree step gained ``tokens`` in ``seconds``; returns its entry for ``charge``."""
         entry = [tokens, seconds]
         with self._lock:
             self._long.append(entry)
+            if alone:
+                self._long_alone.append(entry)
         return entry
 
     def charge(self, entry: list, seconds: float) -> None:
@@ -59,11 +74,11 @@ class RingRates:
         with self._lock:
             entry[1] += seconds
 
-    def long_run(self) -> tuple[int, int, float]:
-        """Steps, tokens and seconds of the last LONG_RUN tree steps."""
+    def long_run(self, alone: bool = False) -> tuple[int, int, float]:
+        """Steps, tokens and seconds of the last LONG_RUN tree steps (taken ``alone``)."""
         with self._lock:
-            return (len(self._long), sum(t for t, _ in self._long),
-                    sum(s for _, s in self._long))
+            steps = self._long_alone if alone else self._long
+            return len(steps), sum(t for t, _ in steps), sum(s for _, s in steps)
 
 
 class GainMeter:
@@ -159,26 +174,28 @@ class GainMeter:
         tokens = sum(t for t, _ in self._tree)
         if tokens <= len(self._tree):  # one token per step: what a plain lap gives
             return False
-        if self._beats_plain(tokens, sum(s for _, s in self._tree)):
+        # Alone, against plain laps taken alone (RingRates).
+        plain = self.plain_ms if sharers > 1 else self.rates.plain_ms_alone or self.plain_ms
+        if self._beats_plain(tokens, sum(s for _, s in self._tree), plain):
             return True
         if sharers > 1:
             return False
-        steps, tokens, seconds = self.rates.long_run()
-        return steps >= self.LONG_RUN_MIN and self._beats_plain(tokens, seconds)
+        steps, tokens, seconds = self.rates.long_run(alone=True)
+        return steps >= self.LONG_RUN_MIN and self._beats_plain(tokens, seconds, plain)
 
-    def _beats_plain(self, tokens: int, seconds: float) -> bool:
-        plain_ms = self.plain_ms
+    def _beats_plain(self, tokens: int, seconds: float, plain_ms: float | None = None) -> bool:
+        plain_ms = plain_ms or self.plain_ms
         assert plain_ms is not None
         return tokens / max(seconds, 1e-9) > self.MARGIN * 1e3 / plain_ms
 
-    def record_plain(self, seconds: float) -> None:
-        """A plain lap took ``seconds``."""
-        self.rates.record_plain(seconds)
+    def record_plain(self, seconds: float, sharers: int = 1) -> None:
+        """A plain lap took ``seconds``; ``sharers``: requests decoding meanwhile, at most."""
+        self.rates.record_plain(seconds, alone=sharers <= 1)
 
-    def record_tree(self, tokens: int, seconds: float) -> None:
-        """A tree step gained ``tokens`` in ``seconds``."""
+    def record_tree(self, tokens: int, seconds: float, sharers: int = 1) -> None:
+        """A tree step gained ``tokens`` in ``seconds`` (``sharers`` as for ``record_plain``)."""
         self._tree.append((tokens, seconds))
-        self._last = self.rates.record_tree(tokens, seconds)
+        self._last = self.rates.record_tree(tokens, seconds, alone=sharers <= 1)
         if self._trial_left > 0:
             self._trial_steps += 1
             # A drafter whose steps usually gain several tokens gets the whole trial even

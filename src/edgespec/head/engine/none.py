@@ -30,6 +30,7 @@ class NoneMode:
         """One token, no tree: mode ``none``, or a tree mode whose cost model found that
         drafting does not pay right now (then the drafter still learns the token)."""
         pos = len(self.history)
+        users = self.sharers()
         t = time.perf_counter()
         self._submit(Batch(np.array([root], np.int32), np.array([pos], np.int32), SeqIds.single(1),
                            np.zeros(1, np.int32), np.ones(1, bool), lap=self._new_lap(),
@@ -37,7 +38,7 @@ class NoneMode:
         res = self.chain.next_result()
         self.stats.lap_timing.got(res)
         waited = time.perf_counter() - t
-        self.cost.observe_lap(1, waited * 1e3)
+        self.cost.observe_lap(1, waited * 1e3, users=max(users, self.sharers()))
         self.stats.plain_wait_s += waited
         self.stats.laps += 1
         self.stats.steps += 1

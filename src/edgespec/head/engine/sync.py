@@ -40,12 +40,14 @@ class SyncMode:
                 root = gained[-1]
                 yield gained
                 continue
+            users = self.sharers()
             rnd = self._new_tree(root, sampling, budget)
             self._send_rows(rnd, sampling, 1)
             res = self.chain.next_result()
             self.stats.lap_timing.got(res)
             self.stats.laps += 1
-            self.cost.observe_lap(rnd.sent_rows, (time.perf_counter() - rnd.t0) * 1e3)
+            self.cost.observe_lap(rnd.sent_rows, (time.perf_counter() - rnd.t0) * 1e3,
+                                  users=max(users, self.sharers()))
             decision = rnd.verifier.feed_targets(res.targets, 0, rows=res.nodes)
             if decision.status != core.ACCEPTED:
                 raise RuntimeError("whole-tree verification did not reach a decision")
