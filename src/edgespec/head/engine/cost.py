@@ -61,9 +61,9 @@ class CostModel:
         """A lap of ``rows`` rows took ``ms``. Laps of a request that shared the ring
         (``users`` > 1 at its start or end) are not fitted: they include waiting behind the
         other requests' batches, which ``rate`` charges separately, and that inflated cost
-        would stay in the fit once the request is alone again (two runs, stop 21: after the
-        many-client cells one client's sync request chose trees of 16 nodes where the FIFO
-        ring chose 8 for the same prompt, and took 21.2 s against 10.4)."""
+        would stay in the fit once the request is alone again (stop 21, in one of two full
+        runs: after the many-client cells one client's sync request chose trees of 16 nodes
+        where the FIFO ring chose 8 for the same prompt, and took 21.2 s against 10.4)."""
         if users > 1:
             return
         with self._lock:
