@@ -16,7 +16,11 @@ load hits both alike). One client runs in pairs instead: each request goes to bo
 right after the other, the first ring alternating request by request, so a drift in the host's
 speed over the cell (it is shared, and its speed wanders by 5-10% over minutes) hits both rings
 alike (``--pairs`` requests; ``x_fifo`` is then the ratio of tokens over summed request times,
-and the cell also lists the ratio of every pair, ``pair_x_fifo``). Clients are admitted as
+and the cell also lists the ratio of every pair, ``pair_x_fifo``). ``--control`` adds a
+second FIFO ring, ``fifo_b``, to the one-client pairs (an A/A comparison: two rings built
+alike, whose ratio shows how far the host's noise and the tree modes' timing-dependent
+choices move a one-client ratio by themselves); the order of the rings then rotates request
+by request. Clients are admitted as
 ``edgespec serve`` admits them (its gate: up to S at once, the rest wait in arrival order);
 ``--via http`` sends them through a real ``edgespec serve`` app (uvicorn, in this process) over
 HTTP streaming instead of the Python API. Every prompt starts with its own comment line
@@ -171,6 +175,21 @@ def host_cpu() -> tuple[float, float] | None:
     return (total - idle) / tick, total / tick
 
 
+def draft_calls(ring: Any) -> tuple[int, int]:
+    """The decodes its drafters asked of the draft model so far, and the ``llama_decode``
+    calls that served several slots' at once (one context shared by the slots,
+    ``edgespec.drafters.draft_context``)."""
+    calls = 0
+    contexts = {}
+    for d in getattr(ring, "_drafters", []):
+        d = getattr(d, "model", d)  # a hybrid's draft model
+        calls += getattr(d, "n_decode_calls", 0)
+        seqs = getattr(d, "_seqs", None)
+        if seqs is not None:
+            contexts[id(seqs.ctx)] = seqs.ctx
+    return calls, sum(c.n_combined for c in contexts.values())
+
+
 def run_cell(client: Any, prompts: list[str], clients: int, requests: int, n_tokens: int,
              mode: str) -> list[dict[str, Any]]:
     """``clients`` threads, each sending ``requests`` generations back to back. Request j of
@@ -205,13 +224,13 @@ def run_cell(client: Any, prompts: list[str], clients: int, requests: int, n_tok
 def run_pairs(clients: dict[str, Any], order: list[str], prompts: list[str], requests: int,
               n_tokens: int, mode: str
               ) -> dict[str, tuple[list[dict[str, Any]], float | None]]:
-    """One client, in pairs: request j goes to every ring of ``order`` in turn, the first ring
-    alternating with j (module docstring). Returns per ring its records and the host's busy
+    """One client, in pairs: request j goes to every ring of ``order`` in turn, the order
+    rotated by j (two rings: the first one alternates; module docstring). Returns per ring its records and the host's busy
     CPU seconds over its requests (None where /proc/stat is not there)."""
     got: dict[str, tuple[list[dict[str, Any]], float | None]] = {
         name: ([], 0.0 if host_cpu() else None) for name in order}
     for j in range(requests):
-        for name in (order if j % 2 == 0 else order[::-1]):
+        for name in order[j % len(order):] + order[:j % len(order)]:
             cpu0 = host_cpu()
             rec = clients[name].run(f"# request {mode}-1-0-{j}\n{prompts[j % len(prompts)]}",
                                     n_tokens, mode)
@@ -360,6 +379,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--stop-at-eos", action="store_true",
                     help="answers end at their end-of-generation token (default: every answer "
                          "is --tokens long, ignore_eos)")
+    ap.add_argument("--control", action="store_true",
+                    help="one-client cells also run on a second FIFO ring (fifo_b, built like "
+                         "the first): its ratio over fifo is the A/A noise floor the slots "
+                         "ring's one-client ratio is read against")
     ap.add_argument("--no-projection", action="store_true")
     ap.add_argument("--out", default="bench/results/")
     ap.add_argument("--name", default=None)
@@ -399,7 +422,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     cells: list[dict[str, Any]] = []
     raw: list[dict[str, Any]] = []
     try:
-        for name, par in (("fifo", 1), ("slots", args.parallel)):
+        built = [("fifo", 1), ("slots", args.parallel)] + ([("fifo_b", 1)] if args.control
+                                                             else [])
+        for name, par in built:
             lk = Links(args.hop_ms)
             links.append(lk)
             t = time.perf_counter()
@@ -417,6 +442,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             for n in counts:
                 order = ["slots", "fifo"] if flip else ["fifo", "slots"]
                 flip = not flip
+                if n == 1 and args.control:
+                    order.append("fifo_b")
                 got = {}
                 pairs = run_pairs(clients, order, prompts, n_pairs, n_tokens, m) \
                     if n == 1 else {}
@@ -424,14 +451,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                     if n == 1:
                         recs, busy = pairs[name]
                     else:
-                        cpu0 = host_cpu()
+                        cpu0, calls0 = host_cpu(), draft_calls(rings[name])
                         recs = run_cell(clients[name], prompts, n, requests, n_tokens, m)
-                        cpu1 = host_cpu()
+                        cpu1, calls1 = host_cpu(), draft_calls(rings[name])
                         busy = cpu1[0] - cpu0[0] if cpu0 and cpu1 else None
                     cell = {"mode": m, "clients": n, "ring": name,
-                            "parallel": 1 if name == "fifo" else args.parallel,
+                            "parallel": 1 if name != "slots" else args.parallel,
                             **summarize(recs, paired=n == 1),
                             "load_avg_1m": round(os.getloadavg()[0], 2)}
+                    if n > 1 and calls1[0] > calls0[0]:
+                        # The drafters' decodes in the cell, and the llama_decode calls that
+                        # served several of them at once.
+                        cell["draft_decodes"] = calls1[0] - calls0[0]
+                        cell["draft_decodes_merged_calls"] = calls1[1] - calls0[1]
                     seconds = elapsed_s(recs, paired=n == 1)
                     if busy is not None and seconds > 0:
                         # Host CPU busy, in % of one core (200 = both cores of a 2-core
@@ -442,14 +474,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                     got[name] = cell
                     log(f"{m:<5} {n} client(s) {name:<5} {cell['aggregate_tok_s']:7.2f} tok/s "
                         f"aggregate, TTFT median {cell['ttft_ms_median']} ms")
+                others = [name for name in order if name != "fifo"]
                 if n == 1:
                     rate = {name: [r["tokens"] / (r["t_end"] - r["t_submit"])
                                    for r in pairs[name][0]] for name in order}
-                    got["slots"]["pair_x_fifo"] = [round(b / a, 3) for a, b in
-                                                   zip(rate["fifo"], rate["slots"], strict=True)]
-                got["slots"]["x_fifo"] = round(got["slots"]["aggregate_tok_s"]
-                                               / got["fifo"]["aggregate_tok_s"], 3)
-                cells += [got["fifo"], got["slots"]]
+                    for name in others:
+                        got[name]["pair_x_fifo"] = [
+                            round(b / a, 3) for a, b in zip(rate["fifo"], rate[name],
+                                                            strict=True)]
+                for name in others:
+                    got[name]["x_fifo"] = round(got[name]["aggregate_tok_s"]
+                                                / got["fifo"]["aggregate_tok_s"], 3)
+                cells += [got["fifo"], got["slots"]] + ([got["fifo_b"]] if "fifo_b" in got
+                                                        else [])
     finally:
         for c in clients.values():
             c.close()
@@ -468,6 +505,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = {"target": target, "draft": draft, "stages": stages, "hop_ms": args.hop_ms,
                 "modes": modes, "clients": counts, "parallel": args.parallel,
                 "requests_per_client": requests, "one_client_pairs": n_pairs,
+                "control": args.control,
                 "tokens": n_tokens, "n_ctx": args.n_ctx,
                 "threads": args.threads, "via": args.via, "ignore_eos": not args.stop_at_eos}
     report = {"machine": host, "settings": settings, "command": command, "cells": cells,

@@ -7,7 +7,7 @@ other sequences' cells, so those cells may cost the busy slot time. Two middle s
 seq 0 only; B also holds ``--cells`` in each of 3 other slots' seqs (64, 128, 192), written
 first. C is B with the 3 idle slots' sequences parked in host memory and seq 0 parked and
 restored, as a ring with slots does at every request's end and its next turn's start
-(``edgespec.node.kv_park``, docs/design.md 5.8). All time 1-row and 4-row decodes of seq 0,
+(``edgespec.llm.kv_park``, docs/design.md 5.8). All time 1-row and 4-row decodes of seq 0,
 in turns (the first case rotates rep by rep), each decode rolled back, so the state stays
 fixed. Prints JSON: median and quartiles per case, and C's park and restore times.
 

@@ -1,4 +1,4 @@
-"""Parking a sequence's KV in host memory and restoring it (edgespec.node.kv_park,
+"""Parking a sequence's KV in host memory and restoring it (edgespec.llm.kv_park,
 docs/design.md 5.8) on a real llama.cpp context: the cells are freed, come back with the same
 attention results, fit a fragmented cache, and a cache without room gives a clear error that
 leaves the runtime and the other sequences as they were."""

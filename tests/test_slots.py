@@ -203,12 +203,13 @@ def test_eight_concurrent_requests_equal_each_served_alone(ring4, real_model_pat
 
 
 def test_slots_drafting_with_one_shared_draft_model_equal_alone(real_model_path):
-    """Each slot drafts on its own context over one loaded copy of the draft model
-    (edgespec.llm.shared_model): requests drafting at once still get their own trees."""
+    """The slots draft on their own sequences of one context of the draft model
+    (edgespec.drafters.draft_context): requests drafting at once still get their own trees."""
     with Ring.local(real_model_path, stages=2, parallel=2, n_ctx=2048, draft=real_model_path,
                     draft_quant="none", spec="flow") as ring:
-        models = {id(d._model) for d in ring._drafters}
-        assert len(ring._drafters) == 2 and len(models) == 1
+        contexts = {id(d._seqs.ctx) for d in ring._drafters}
+        assert len(ring._drafters) == 2 and len(contexts) == 1
+        assert {d._seqs.base for d in ring._drafters} == {0, 128}
         alone = []
         for p in PROMPTS[:2]:
             ring.reset()

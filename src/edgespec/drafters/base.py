@@ -170,6 +170,11 @@ class Drafter(abc.ABC):
     @abc.abstractmethod
     def accept(self, accepted_tokens: Sequence[int]) -> None: ...
 
+    # The generation ended (the next call is `begin`): set aside what an idle drafter holds.
+    def idle(self) -> None:  # noqa: B027 - an optional hook, not abstract
+        """Nothing by default; a draft model on a context shared with other slots parks its
+        committed text's cells (``DraftModelDrafter.idle``)."""
+
     # Release what the drafter holds (a draft model's context); it cannot be used afterwards.
     def close(self) -> None:  # noqa: B027 - an optional hook, not abstract
         """Free resources; the default drafter holds none."""

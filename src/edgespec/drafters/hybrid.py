@@ -83,6 +83,10 @@ class HybridDrafter(Drafter):
         self.model.accept(accepted_tokens)
         self._ledger.clear()
 
+    def idle(self) -> None:
+        self.retrieval.idle()
+        self.model.idle()
+
     def note_proposed(self, tree: DraftTree, under: Sequence[int] = ()) -> None:
         super().note_proposed(tree, under)
         self.retrieval.note_proposed(tree, under)

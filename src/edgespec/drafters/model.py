@@ -5,7 +5,9 @@ A heap holds the candidate children (top-``top_k`` of each decoded node's distri
 step pops the ``width`` best candidates, makes them tree nodes, and decodes those that may still
 get children in **one** ``llama_decode`` call, so a tree of B nodes costs about B / width calls.
 
-KV layout (one llama.cpp context, ``kv_unified=True``, docs/design.md 3.4-3.5):
+KV layout (one llama.cpp context, ``kv_unified=True``, docs/design.md 3.4-3.5; the drafter's
+own, or its slot's share of one the ring's slots draft on together, ``DraftContext``; the
+seq ids below are the drafter's own, which a shared context maps into the slot's range):
 
 * seq 0 holds the committed text (prompt + accepted tokens) that the draft model has processed;
 * every decoded tree node sits in a *tree sequence*: the first child of a node continues its
@@ -30,15 +32,14 @@ from pathlib import Path as FsPath
 import numpy as np
 
 from edgespec.drafters.base import Drafter, DraftTree, Path, check_request, select_new
+from edgespec.drafters.draft_context import DraftContext, DraftSeqs
 from edgespec.drafters.tokenizer import (
     TokenizerFingerprint,
     TokenizerMismatchError,
     check_draft_tokenizer,
     fingerprint_of,
 )
-from edgespec.llm import capi
-from edgespec.llm.llamacpp import Closing, Context, Model, new_context
-from edgespec.llm.shared_model import acquire_model, release_model
+from edgespec.llm.llamacpp import Closing
 
 __all__ = ["DraftModelDrafter"]
 
@@ -84,6 +85,9 @@ class DraftModelDrafter(Drafter, Closing):
         max_tree_seqs: tree sequences (about the number of branches) one step may use.
         n_threads: llama.cpp threads (1 when several contexts share a small host, docs/design.md 3.7).
         n_batch: tokens per decode call when catching up with long prompts.
+        seqs: draft on these sequences of a context shared with other drafters (a ring's
+            slots, ``DraftContext.view``; the drafter closes the view). ``None``: a context
+            of its own (``n_ctx``, ``n_batch``, ``n_threads`` then size it).
     """
 
     #: Log-prob gap (nats) within which candidates share one decode call.
@@ -100,6 +104,7 @@ class DraftModelDrafter(Drafter, Closing):
         max_tree_seqs: int = 128,
         n_threads: int = 1,
         n_batch: int = 512,
+        seqs: DraftSeqs | None = None,
     ) -> None:
         super().__init__()
         if top_k < 1 or width < 1 or n_threads < 1 or n_batch < 1:
@@ -108,14 +113,17 @@ class DraftModelDrafter(Drafter, Closing):
             raise ValueError(f"max_tree_seqs must be in [1, {_LLAMA_MAX_SEQ - 1}], got {max_tree_seqs}")
         self.model_path = FsPath(model_path)
         self.top_k, self.width = top_k, width
-        self._model: Model | None = None
-        self._ctx: Context | None = None
-        self._batch: capi.llama_batch | None = None
-        # One copy of the weights for every drafter of this model in the process (a ring's
-        # slots each draft on their own context; edgespec.llm.shared_model). Extra buffer
-        # types unless AMX (docs/design.md 3.6).
-        self._model = acquire_model(self.model_path)
+        self._seqs: DraftSeqs | None = None
         try:
+            if seqs is None:
+                # A context of its own. Unified KV: tree nodes share cells across sequences
+                # (docs/design.md 3.4); one copy of the weights per process
+                # (edgespec.llm.shared_model).
+                seqs = DraftContext(self.model_path, width=max_tree_seqs + 1, n_ctx=n_ctx,
+                                    n_batch=max(n_batch, width, 1),
+                                    n_threads=n_threads).view(0)
+            self._seqs = seqs
+            self._model = seqs.ctx.model
             self.fingerprint = fingerprint_of(self._model)
             # Proposals stay inside both vocabularies (padding may differ in size).
             self._n_propose = self.fingerprint.n_vocab
@@ -130,22 +138,14 @@ class DraftModelDrafter(Drafter, Closing):
                 self._n_propose = min(self._n_propose, wanted.n_used)
             self.n_vocab = self.fingerprint.n_vocab
             self.n_ctx = n_ctx
-            self._n_batch = max(n_batch, width, 1)
-            # Unified KV: tree nodes share cells across sequences (docs/design.md 3.4).
-            self._ctx = new_context(
-                self._model,
-                n_ctx=n_ctx,
-                n_batch=self._n_batch,
-                n_seq_max=max_tree_seqs + 1,
-                kv_unified=True,
-                n_threads=n_threads,
-            )
-            self._mem = self._ctx.memory
-            self._batch = capi.llama_batch_init(self._n_batch, 0, 1)
+            self._n_batch = seqs.ctx.n_batch
         except BaseException:
-            self.close()
+            if seqs is not None:
+                seqs.close()
+            self._seqs = None
             raise
-        self._max_tree_seqs = max_tree_seqs
+        self._max_tree_seqs = min(max_tree_seqs, seqs.width - 1)
+        self._parked = False  # the committed cells wait in host memory (idle())
         self._history: list[int] = []
         self._n_kv = 0  # history tokens present in seq 0
         self._root_children: list[tuple[int, float]] | None = None  # top-k after history[-1]
@@ -157,16 +157,18 @@ class DraftModelDrafter(Drafter, Closing):
     # -- lifetime ---------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Free the llama.cpp context and batch, and give the model back (idempotent)."""
-        if self._batch is not None:
-            capi.llama_batch_free(self._batch)
-            self._batch = None
-        if self._ctx is not None:
-            self._ctx.close()
-            self._ctx = None
-        if self._model is not None:
-            release_model(self._model)
-            self._model = None
+        """Let go of the context (its last user frees it and gives the model back);
+        idempotent."""
+        seqs, self._seqs = getattr(self, "_seqs", None), None
+        if seqs is not None:
+            seqs.close()
+
+    def idle(self) -> None:
+        """The generation ended: move the committed text's cells into host memory if the
+        context is shared (``DraftSeqs.park``); the next ``begin`` puts them back."""
+        if self._seqs is not None:
+            self._end_tree()
+            self._parked = self._seqs.park() or self._parked
 
 
     # -- Drafter ----------------------------------------------------------------------------
@@ -186,7 +188,7 @@ class DraftModelDrafter(Drafter, Closing):
         keep, limit = 0, min(self._n_kv, len(toks) - 1)
         while keep < limit and self._history[keep] == toks[keep]:
             keep += 1
-        capi.llama_memory_seq_rm(self._mem, 0, keep, -1)
+        self._seqs.rm(0, keep, -1)
         self._history = toks
         self._n_kv = keep
         self._root_children = None
@@ -226,7 +228,7 @@ class DraftModelDrafter(Drafter, Closing):
                 deepest = nxt
             if deepest is not self._root:
                 root_pos = self._root.pos
-                capi.llama_memory_seq_cp(self._mem, deepest.seq, 0, root_pos + 1, deepest.pos + 1)
+                self._seqs.cp(deepest.seq, 0, root_pos + 1, deepest.pos + 1)
                 self._n_kv += len(deepest.path)
         if toks:
             # Every accepted token already decoded: the deepest node's children are the new
@@ -245,7 +247,8 @@ class DraftModelDrafter(Drafter, Closing):
 
     def seq_pos_max(self, seq: int) -> int:
         """Highest position stored for ``seq`` (-1 if none): lets tests check the KV layout."""
-        return int(capi.llama_memory_seq_pos_max(self._mem, seq))
+        self._require_open()
+        return self._seqs.pos_max(seq)
 
     # -- steps -------------------------------------------------------------------------------
 
@@ -258,9 +261,10 @@ class DraftModelDrafter(Drafter, Closing):
         return root
 
     def _end_tree(self) -> None:
-        if self._free_seqs != list(range(self._max_tree_seqs, 0, -1)):
-            capi.llama_memory_seq_keep(self._mem, 0)
-        self._free_seqs = list(range(self._max_tree_seqs, 0, -1))
+        every = list(range(self._max_tree_seqs, 0, -1))
+        if self._free_seqs != every and self._seqs is not None:
+            self._seqs.keep_committed(set(every) - set(self._free_seqs))
+        self._free_seqs = every
         self._root = None
         self._ledger.clear()
 
@@ -336,6 +340,7 @@ class DraftModelDrafter(Drafter, Closing):
     def _decode_nodes(self, nodes: list[_Node]) -> None:
         """Decode tree nodes (parents before children) in one call; store their top-k children."""
         rows: list[tuple[int, int, int, bool]] = []
+        copies: list[tuple[int, int, int, int]] = []  # go with the decode (DraftContext)
         placed: list[_Node] = []
         for node in nodes:
             parent = node.parent
@@ -349,7 +354,7 @@ class DraftModelDrafter(Drafter, Closing):
             elif self._free_seqs:
                 seq = self._free_seqs.pop()
                 # Borrow the parent's path (positions <= parent) without copying KV data.
-                capi.llama_memory_seq_cp(self._mem, parent.seq, seq, -1, parent.pos + 1)
+                copies.append((parent.seq, seq, -1, parent.pos + 1))
             else:
                 node.children = []  # out of tree sequences: leave this node unexpanded
                 continue
@@ -363,35 +368,23 @@ class DraftModelDrafter(Drafter, Closing):
             placed.append(node)
         for start in range(0, len(rows), self._n_batch):
             part = placed[start : start + self._n_batch]
-            logits = self._decode(rows[start : start + self._n_batch])
+            logits = self._decode(rows[start : start + self._n_batch],
+                                  copies if start == 0 else ())
             for node, kids in zip(part, self._top_children(logits), strict=True):
                 node.children = kids
 
     # -- llama.cpp calls ---------------------------------------------------------------------
 
-    def _decode(self, rows: list[tuple[int, int, int, bool]]) -> np.ndarray:
-        """One ``llama_decode`` of ``(token, pos, seq, wants_logits)`` rows; returns their logits."""
-        batch = self._batch
-        assert batch is not None and len(rows) <= self._n_batch
-        for i, (tok, pos, seq, out) in enumerate(rows):
-            batch.token[i] = tok
-            batch.pos[i] = pos
-            batch.n_seq_id[i] = 1
-            batch.seq_id[i][0] = seq
-            batch.logits[i] = out
-        batch.n_tokens = len(rows)
-        rc = capi.llama_decode(self._ctx.ptr, batch)
-        if rc == 1:
-            raise RuntimeError(
-                f"draft context full (n_ctx {self.n_ctx}): no KV slot for {len(rows)} tokens"
-            )
-        if rc != 0:
-            raise RuntimeError(f"llama_decode failed with code {rc} on the draft model")
+    def _decode(self, rows: list[tuple[int, int, int, bool]],
+                copies: Sequence[tuple[int, int, int, int]] = ()) -> np.ndarray:
+        """One ``llama_decode`` of ``(token, pos, seq, wants_logits)`` rows (perhaps beside
+        other slots' rows, ``DraftContext``), after the ``seq_cp`` ``copies``; returns the
+        logits of the rows that want them."""
+        assert self._seqs is not None and len(rows) <= self._n_batch
+        logits = self._seqs.decode(rows, copies)
         self.n_decode_calls += 1
         self.n_decoded_tokens += len(rows)
-        n_out = sum(1 for r in rows if r[3])
-        ptr = capi.llama_get_logits(self._ctx.ptr)
-        return np.ctypeslib.as_array(ptr, shape=(n_out, self.n_vocab)).copy()
+        return logits
 
     def _top_children(self, logits: np.ndarray) -> list[list[tuple[int, float]]]:
         """Top-k (token, log-softmax) of each logits row, best first."""
@@ -416,5 +409,13 @@ class DraftModelDrafter(Drafter, Closing):
         return toks
 
     def _require_open(self) -> None:
-        if self._ctx is None:
+        """Raises once closed; brings parked committed cells back (``idle``)."""
+        if self._seqs is None:
             raise RuntimeError("the DraftModelDrafter was closed")
+        if self._parked:
+            self._parked = False
+            try:
+                self._seqs.restore()
+            except MemoryError:  # no room now: the committed text is decoded again
+                self._n_kv = 0
+                self._root_children = None

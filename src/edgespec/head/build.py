@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from edgespec.drafters.factory import make_drafter
+from edgespec.drafters.factory import make_drafter, shared_draft_context
 from edgespec.errors import NodeLost, RingError
 from edgespec.head.addresses import discover, parse_nodes
 from edgespec.head.formation import form_ring, reform_ring, unload_nodes
@@ -32,16 +32,28 @@ def build_head(cls, chain: Any, model: Path, *, spec: str = "auto", draft=None,
     and the engine settings ``engine``. ``tok_model``: the vocab-only model when the caller
     loaded it already (it is closed with the head either way). ``parallel`` / ``max_queue``:
     slots and waiting requests (``edgespec.head.slots``); every slot drafts with a drafter of
-    its own (a draft model is loaded once per slot)."""
+    its own, on one context of the draft model that they share."""
     from edgespec.llm.llamacpp import load_model
     from edgespec.llm.tokenizer import Tokenizer
 
     own = tok_model is None
     if tok_model is None:
         tok_model = load_model(model, vocab_only=True)
+    shared = None
     try:
-        drafter_obj = make_drafter(model, draft, drafter, draft_quant)
+        # The slots draft on one context of the draft model: concurrent decodes share a
+        # batch (edgespec.drafters.draft_context, docs/design.md 5.8).
+        shared = shared_draft_context(draft, drafter, draft_quant, parallel, n_ctx)
+        views = iter(range(parallel))
+
+        def new_drafter():
+            seqs = shared.view(next(views)) if shared is not None else None
+            return make_drafter(model, draft, drafter, draft_quant, seqs=seqs)
+
+        drafter_obj = new_drafter()
     except BaseException:
+        if shared is not None:
+            shared.close()
         if own:
             tok_model.close()
         raise
@@ -55,7 +67,7 @@ def build_head(cls, chain: Any, model: Path, *, spec: str = "auto", draft=None,
 
     def drafter_factory():
         # The first slot takes the drafter made above; each further slot a new one.
-        return made.pop() if made else make_drafter(model, draft, drafter, draft_quant)
+        return made.pop() if made else new_drafter()
 
     try:
         ring = cls(chain, Tokenizer(tok_model), model_name=Path(model).stem, spec=spec,
@@ -66,6 +78,8 @@ def build_head(cls, chain: Any, model: Path, *, spec: str = "auto", draft=None,
         for d in made:
             with contextlib.suppress(Exception):
                 d.close()
+        if shared is not None:
+            shared.close()
         if own:
             tok_model.close()
         raise

@@ -19,7 +19,7 @@ the shared chain
   queues; a lost node (``NodeLost``) goes to every slot;
 - ``abandon()`` gives up only its own laps;
 - ``park()``: when a request ends, every stage moves the slot's committed cells into host
-  memory (``edgespec.node.kv_park``); its next batch or KV operation first restores them. An
+  memory (``edgespec.llm.kv_park``); its next batch or KV operation first restores them. An
   idle slot's conversation then costs the busy slots' attention nothing (docs/design.md 5.8),
   and its next turn still computes only its new tokens.
 
@@ -431,8 +431,17 @@ class SlotPool:
                 slot.session.chain.forget_done()
 
     def _park(self, slot: Slot) -> None:
-        """A slot's request ended: park its conversation's cells (``SlotChain.park``)."""
-        if self.demux is None or slot.epoch != self.epoch or not slot.engine.history:
+        """A slot's request ended: park its conversation's cells (``SlotChain.park``), and
+        its drafter's (``Drafter.idle``)."""
+        if self.demux is None:
+            return
+        drafter = getattr(slot.engine, "drafter", None)
+        if drafter is not None:
+            try:
+                drafter.idle()
+            except Exception as e:  # only speed is at stake: the next begin() recomputes
+                log.warning("slot %d: drafter not parked: %s", slot.index, e)
+        if slot.epoch != self.epoch or not slot.engine.history:
             return
         try:
             slot.session.chain.park()

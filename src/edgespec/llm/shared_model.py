@@ -1,9 +1,10 @@
 """One loaded copy of a GGUF for every context that reads it in this process.
 
-A ring serving S requests at once gives each slot its own draft-model drafter (its own
-context: KV cache, tree sequences), docs/design.md 5.8. The weights are the same and llama.cpp
-only reads them while decoding, so the slots' contexts share one ``llama_model``: S slots cost
-one model's memory plus S KV caches, not S models.
+Several rings in one process (a script's, the benchmarks' side-by-side rings), or drafters
+made apart, each open their own context of the draft model (a ring's slots share one,
+``edgespec.drafters.draft_context``). The weights are the same and llama.cpp only reads them
+while decoding, so the contexts share one ``llama_model``: N contexts cost one model's
+memory plus N KV caches, not N models.
 """
 
 from __future__ import annotations

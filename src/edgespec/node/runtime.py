@@ -42,8 +42,8 @@ from edgespec.batch import SeqIds
 from edgespec.llm import capi, llamacpp
 from edgespec.llm.architectures import ARCHITECTURES
 from edgespec.llm.gguf_read import CorruptShardError, ShardError, ShardInfo, file_sha256, read_info
+from edgespec.llm.kv_park import KvParking
 from edgespec.llm.shards import MANIFEST_NAME, Manifest, cut_window, shard_file_name
-from edgespec.node.kv_park import KvParking
 from edgespec.tree.kvop import KvOp, KvOpCode
 
 __all__ = [
@@ -620,7 +620,7 @@ class StageRuntime(llamacpp.Closing):
             self._parking.keep_only(int(seq))
 
     def kv_seq_park(self, seq: int) -> int:
-        """Copy ``seq``'s cells into host memory and free them (``edgespec.node.kv_park``);
+        """Copy ``seq``'s cells into host memory and free them (``edgespec.llm.kv_park``);
         returns the bytes parked (0: it was empty, or it stays live)."""
         with self._lock:
             self._require_open()

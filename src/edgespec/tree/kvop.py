@@ -23,7 +23,7 @@ class KvOpCode(IntEnum):
     KEEP = 3  # seq_keep(seq)
     ADD = 4  # seq_add(seq, p0, p1, delta=arg)
     # A slot between requests (docs/design.md 5.8): seq's cells copied into the stage's host
-    # memory and freed, and put back (edgespec.node.kv_park).
+    # memory and freed, and put back (edgespec.llm.kv_park).
     PARK = 5  # park(seq)
     RESTORE = 6  # restore(seq)
 
