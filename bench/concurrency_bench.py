@@ -225,8 +225,9 @@ def run_pairs(clients: dict[str, Any], order: list[str], prompts: list[str], req
               n_tokens: int, mode: str
               ) -> dict[str, tuple[list[dict[str, Any]], float | None]]:
     """One client, in pairs: request j goes to every ring of ``order`` in turn, the order
-    rotated by j (two rings: the first one alternates; module docstring). Returns per ring its records and the host's busy
-    CPU seconds over its requests (None where /proc/stat is not there)."""
+    rotated by j (two rings: the first one alternates; module docstring). Returns per ring
+    its records and the host's busy CPU seconds over its requests (None where /proc/stat is
+    not there)."""
     got: dict[str, tuple[list[dict[str, Any]], float | None]] = {
         name: ([], 0.0 if host_cpu() else None) for name in order}
     for j in range(requests):

@@ -7,10 +7,11 @@ decode beside 3 idle slots of 300 cells). Parking copies a sequence's cells out 
 (``llama_state_seq_get_data``) and frees them; restoring copies them back
 (``llama_state_seq_set_data``, which takes free cells wherever they are, contiguous or not:
 ``tests/test_kv_park.py`` checks it). Nothing is recomputed, so the next turn still computes
-only its new tokens.
+only its new tokens. The stages park a slot's cells (``edgespec.node.runtime``), and so does
+the draft-model context the head's slots share (``edgespec.drafters.draft_context``).
 
 Memory: at most one parked copy per sequence id, of cells that were live in the cache before,
-so what a stage holds parked never exceeds its KV cache's own size.
+so what a context holds parked never exceeds its KV cache's own size.
 """
 
 from __future__ import annotations
