@@ -68,6 +68,7 @@ import numpy as np  # noqa: E402
 
 from bench import projection as projection_mod  # noqa: E402
 from bench.ring_bench import Links, humaneval_prompts, machine_info  # noqa: E402
+from edgespec.head.engine.cost import CostModel  # noqa: E402
 from edgespec.server.gate import _Gate  # noqa: E402  (the server's admission)
 
 # ----------------------------------------------------------------------------- clients
@@ -384,10 +385,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="one-client cells also run on a second FIFO ring (fifo_b, built like "
                          "the first): its ratio over fifo is the A/A noise floor the slots "
                          "ring's one-client ratio is read against")
+    ap.add_argument("--tree-budgets", default=None,
+                    help="tree budgets the cost model chooses from, e.g. 4,8,16,32,64 (default: "
+                         "the engine's, CostModel.BUDGETS), on every ring")
+    ap.add_argument("--control-tree-budgets", default=None,
+                    help="with --control: fifo_b's tree budgets instead (an A/B of budgets on "
+                         "the one-client pairs, alternated request by request)")
     ap.add_argument("--no-projection", action="store_true")
     ap.add_argument("--out", default="bench/results/")
     ap.add_argument("--name", default=None)
     args = ap.parse_args(argv)
+    if args.control_tree_budgets and not args.control:
+        ap.error("--control-tree-budgets sets the budgets of the --control ring: give --control")
 
     q = args.quick
     target = args.target or ("qwen2.5-coder-0.5b" if q else "qwen2.5-coder-1.5b")
@@ -429,7 +438,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             lk = Links(args.hop_ms)
             links.append(lk)
             t = time.perf_counter()
-            extra = {"parallel": par} if par != 1 else {}  # parallel=1: today's ring
+            extra: dict[str, Any] = {"parallel": par} if par != 1 else {}  # 1: today's ring
+            budgets = args.control_tree_budgets if name == "fifo_b" and \
+                args.control_tree_budgets else args.tree_budgets
+            if budgets:
+                extra["cost"] = CostModel(budgets=[int(b) for b in budgets.split(",")])
             rings[name] = Ring.local(target, stages=stages, draft=draft, proxy=lk.proxy,
                                      threads=args.threads, n_ctx=args.n_ctx, spec="none",
                                      **extra)
@@ -508,7 +521,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "requests_per_client": requests, "one_client_pairs": n_pairs,
                 "control": args.control,
                 "tokens": n_tokens, "n_ctx": args.n_ctx,
-                "threads": args.threads, "via": args.via, "ignore_eos": not args.stop_at_eos}
+                "threads": args.threads, "via": args.via, "ignore_eos": not args.stop_at_eos,
+                "tree_budgets": [int(b) for b in args.tree_budgets.split(",")]
+                if args.tree_budgets else list(CostModel.BUDGETS),
+                "control_tree_budgets": args.control_tree_budgets}
     report = {"machine": host, "settings": settings, "command": command, "cells": cells,
               "projection": proj, "requests": raw}
     (out / f"{prefix}.json").write_text(json.dumps(report, indent=1))

@@ -130,3 +130,17 @@ def test_stream_dropped_unfinished_frees_its_slot_without_gc(tiny_target) -> Non
         finally:
             gc.enable()
         two.reset()  # takes every slot in turn: would wait forever on a held one
+
+
+def test_tree_budgets_make_laps_of_whole_kernel_blocks() -> None:
+    """A tree of B nodes goes out as B + 1 rows; llama.cpp's CPU kernels work on row blocks
+    (4 or 16 on the test host), and a lap one row past a block paid for a slow remainder:
+    sync at one client ran at 10.8 tok/s with budgets 4..64 and 11.6 with 3..63
+    (docs/design.md 3.8). Every budget the cost model can choose, the probe's included,
+    makes a power-of-two lap."""
+    cost = CostModel()
+    assert cost.budgets == CostModel.BUDGETS
+    assert all(((b + 1) & b) == 0 and b >= 3 for b in cost.budgets)
+    cost.hits[:] = [8.0, 2.0, 1.0, 0.5]
+    for users in (1, 2, 4, 8):
+        assert cost.choose(users) in (0, *cost.budgets)

@@ -29,8 +29,19 @@ class CostModel:
 
     RANKS = 4
 
+    #: Tree budgets to choose from: B drafted nodes go out as B + 1 rows (the root with
+    #: them), so these make laps of 4, 8, 16, 32 and 64 rows. llama.cpp's CPU kernels work
+    #: on blocks of rows and a batch just past a block's end pays for a slow remainder: on
+    #: the 2-core test host a middle stage of the 1.5B target (Q4_K_M) takes 72 ms for 16
+    #: rows but 85 for 17 and 98 for 15, 33 ms for 4 rows but 40 for 5
+    #: (``bench/row_cost_curve.py``, docs/design.md 3.8). Budgets 4, 8, ... 64 made every
+    #: lap one row past a block: in one A/B run sync at one client took 426 ms a lap with 15
+    #: nodes against 497 with 16 and ran at 11.6 tok/s against 10.8
+    #: (``bench/results/issue15_budget_ab.md``).
+    BUDGETS = (3, 7, 15, 31, 63)
+
     def __init__(self, lap_ms: tuple[float, float] = (60.0, 2.0), draft_ms_per_node: float = 0.05,
-                 budgets: Sequence[int] = (4, 8, 16, 32, 64)) -> None:
+                 budgets: Sequence[int] = BUDGETS) -> None:
         self.hits = np.array([6.0, 2.0, 1.0, 0.5])  # prior: 60% top-1, ...
         self.tries = np.full(self.RANKS, 10.0)
         self.lap_a, self.lap_b = lap_ms

@@ -1,0 +1,102 @@
+"""Time of one decode call against its row count, 1 row at a time up to ``--max-rows``.
+
+    .venv/bin/python -m bench.row_cost_curve        # ~3 min on the 2-core test host
+
+llama.cpp's CPU matrix kernels work on blocks of rows, and a batch a row past a block's end
+pays for a slow remainder; the tree budgets (``CostModel.BUDGETS``, docs/design.md 3.8) are
+chosen so that laps land on block ends. This measures where they lie, for the windows the
+concurrency benchmark runs: a middle stage and the last stage of the 1.5B target (4 stages,
+the shards a local ring cuts) and the draft model as the drafter runs it (its Q4_0 copy,
+``edgespec.drafters.quant``). One llama.cpp thread, as each stage of a local ring has; rows
+are one sequence after 160 cached tokens, every row an output (a tree row is); sizes are
+timed in turn, round after round, so a drift of the host's speed hits them alike; medians.
+
+Output: JSON on stdout and in ``<out>/row_cost_curve.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # before llama_cpp loads
+
+import numpy as np  # noqa: E402
+
+from bench.projection import stage_shard  # noqa: E402
+from bench.ring_bench import machine_info  # noqa: E402
+
+HISTORY = 160
+
+
+def curve(path: Path, max_rows: int, reps: int) -> dict[int, float]:
+    """Median ms per ``forward`` of r rows, r = 1..max_rows, of the window in ``path``."""
+    from edgespec.node.runtime import StageRuntime
+
+    rng = np.random.default_rng(0)
+    with StageRuntime(path, n_ctx=HISTORY + 2 * max_rows + 8, n_seq_max=1, n_threads=1) as rt:
+        def inputs(n: int) -> np.ndarray:
+            if rt.is_first:
+                return rng.integers(100, 20000, n).astype(np.int32)
+            # Hidden states of a real residual stream's magnitude; the cost does not depend
+            # on the values.
+            return (rng.standard_normal((n, rt.n_embd)) * 0.5).astype(np.float32)
+
+        rt.forward(inputs(HISTORY), 0)
+        times: dict[int, list[float]] = {r: [] for r in range(1, max_rows + 1)}
+        for _ in range(reps):
+            for r in times:
+                pos = rt.n_past(0)
+                t = time.perf_counter()
+                rt.forward(inputs(r), pos)
+                times[r].append((time.perf_counter() - t) * 1e3)
+                rt.truncate(pos)  # the same KV length for every sample
+    return {r: round(statistics.median(v), 1) for r, v in times.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.row_cost_curve", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--draft", default="qwen2.5-coder-0.5b", help="'-': none")
+    ap.add_argument("--stages", type=int, default=4)
+    ap.add_argument("--max-rows", type=int, default=34)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--out", default="bench/results/")
+    args = ap.parse_args(argv)
+
+    from edgespec.drafters.quant import fast_draft
+    from edgespec.llm.gguf_read import read_info
+    from edgespec.llm.models import resolve
+    from edgespec.llm.shards import even_ranges
+
+    target = resolve(args.target)
+    ranges = even_ranges(read_info(target).n_layer, args.stages)
+    windows: list[tuple[str, Path]] = [
+        (f"target stage {k} of {args.stages}, layers {a}-{b}", stage_shard(target, a, b))
+        for k, (a, b) in ((1, ranges[1]), (args.stages - 1, ranges[-1]))]
+    if args.draft != "-":
+        windows.append(("draft model (drafting copy)", Path(fast_draft(resolve(args.draft)))))
+    out: dict[str, Any] = {"machine": machine_info(), "history": HISTORY, "reps": args.reps,
+                           "threads": 1, "curves": []}
+    for label, path in windows:
+        t = time.perf_counter()
+        ms = curve(path, args.max_rows, args.reps)
+        out["curves"].append({"window": label, "file": path.name, "ms": ms})
+        print(f"{label}: {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
+    text = json.dumps(out, indent=1)
+    print(text)
+    dest = Path(args.out)
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "row_cost_curve.json").write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
