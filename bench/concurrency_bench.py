@@ -191,6 +191,16 @@ def draft_calls(ring: Any) -> tuple[int, int]:
     return calls, sum(c.n_combined for c in contexts.values())
 
 
+def stage_decodes(ring: Any) -> list[tuple[int, int]]:
+    """Per stage, in stage order: batches its node ran so far, and the decodes that ran
+    several requests' batches as one (``edgespec.node.merge``), from the nodes' health."""
+    got: dict[int, tuple[int, int]] = {}
+    for member in getattr(getattr(ring, "chain", None), "members", []):
+        for stage, h in member.ask("health", timeout=30).stages.items():
+            got[int(stage)] = (h.batches, h.merged)
+    return [got[k] for k in sorted(got)]
+
+
 def run_cell(client: Any, prompts: list[str], clients: int, requests: int, n_tokens: int,
              mode: str) -> list[dict[str, Any]]:
     """``clients`` threads, each sending ``requests`` generations back to back. Request j of
@@ -465,9 +475,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     if n == 1:
                         recs, busy = pairs[name]
                     else:
+                        st0 = stage_decodes(rings[name])
                         cpu0, calls0 = host_cpu(), draft_calls(rings[name])
                         recs = run_cell(clients[name], prompts, n, requests, n_tokens, m)
                         cpu1, calls1 = host_cpu(), draft_calls(rings[name])
+                        st1 = stage_decodes(rings[name])
                         busy = cpu1[0] - cpu0[0] if cpu0 and cpu1 else None
                     cell = {"mode": m, "clients": n, "ring": name,
                             "parallel": 1 if name != "slots" else args.parallel,
@@ -478,6 +490,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         # served several of them at once.
                         cell["draft_decodes"] = calls1[0] - calls0[0]
                         cell["draft_decodes_merged_calls"] = calls1[1] - calls0[1]
+                    if n > 1 and len(st0) == len(st1):
+                        # Per stage: batches run in the cell, and the decodes among them
+                        # that ran several requests' batches at once.
+                        cell["stage_batches"] = [b[0] - a[0] for a, b in zip(st0, st1, strict=True)]
+                        cell["stage_merged_decodes"] = [b[1] - a[1] for a, b in zip(st0, st1, strict=True)]
                     seconds = elapsed_s(recs, paired=n == 1)
                     if busy is not None and seconds > 0:
                         # Host CPU busy, in % of one core (200 = both cores of a 2-core
