@@ -38,7 +38,9 @@ token) where the statistics carry it. ``x_fifo``: slots aggregate over FIFO aggr
 the host's CPU use over the cell (``host_cpu_pct``, % of one core: 200 is a 2-core host
 saturated) and busy CPU ms per generated token (``host_cpu_ms_per_token``): with the whole
 ring on one host, a cell near saturation can gain from more requests at once only by
-spending less CPU per token, which is what bounds slots against FIFO there.
+spending less CPU per token, which is what bounds slots against FIFO there. Many-client
+cells also give the link emulator's part of it (``emulator_cpu_pct``, % of one core: the
+ring's proxy thread in this process, apparatus a real ring would not run).
 
 Projection (labelled, modelled): ``--stages`` separate devices, one stage each, with the stage
 costs measured alone (``bench.projection.measure_stage_curves``), the lap overhead and the
@@ -438,6 +440,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     host = machine_info()
     rings: dict[str, Any] = {}
     links: list[Links] = []
+    links_of: dict[str, Links] = {}
     clients: dict[str, Any] = {}
     cells: list[dict[str, Any]] = []
     raw: list[dict[str, Any]] = []
@@ -447,6 +450,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name, par in built:
             lk = Links(args.hop_ms)
             links.append(lk)
+            links_of[name] = lk
             t = time.perf_counter()
             extra: dict[str, Any] = {"parallel": par} if par != 1 else {}  # 1: today's ring
             budgets = args.control_tree_budgets if name == "fifo_b" and \
@@ -477,7 +481,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     else:
                         st0 = stage_decodes(rings[name])
                         cpu0, calls0 = host_cpu(), draft_calls(rings[name])
+                        emu0 = links_of[name].emu.cpu_s()
                         recs = run_cell(clients[name], prompts, n, requests, n_tokens, m)
+                        emu1 = links_of[name].emu.cpu_s()
                         cpu1, calls1 = host_cpu(), draft_calls(rings[name])
                         st1 = stage_decodes(rings[name])
                         busy = cpu1[0] - cpu0[0] if cpu0 and cpu1 else None
@@ -501,6 +507,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         # host all the time), and busy CPU ms per token generated.
                         cell["host_cpu_pct"] = round(100 * busy / seconds, 1)
                         cell["host_cpu_ms_per_token"] = round(1e3 * busy / cell["tokens"], 1)
+                    if n > 1 and seconds > 0:
+                        # Of that, the link emulator's (this process's proxy thread for this
+                        # ring): measuring apparatus a real ring would not run.
+                        cell["emulator_cpu_pct"] = round(100 * (emu1 - emu0) / seconds, 1)
                     raw += [{"mode": m, "clients": n, "ring": name, **r} for r in recs]
                     got[name] = cell
                     log(f"{m:<5} {n} client(s) {name:<5} {cell['aggregate_tok_s']:7.2f} tok/s "

@@ -36,6 +36,7 @@ import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 CHUNK = 64 * 1024
 PACED_CHUNK = 16 * 1024  # smaller pieces when bandwidth-limited, so delivery is smooth
@@ -271,6 +272,17 @@ class LinkEmulatorThread:
         self._emulators: list[LinkEmulator] = []
         self._thread.start()
 
+    @property
+    def native_id(self) -> int:
+        """The loop thread's OS id (its CPU use is in ``/proc/self/task/<id>/stat``)."""
+        tid = self._thread.native_id
+        assert tid is not None  # set once the thread started, which __init__ did
+        return tid
+
+    def cpu_s(self) -> float:
+        """CPU seconds the proxies' thread has used so far (Linux)."""
+        return thread_cpu_s(self.native_id)
+
     def add(self, target: tuple[str, int], spec: LinkSpec, listen: tuple[str, int] = ("127.0.0.1", 0)) -> tuple[str, int]:
         """Start a proxy to ``target``; returns its address."""
         emu = LinkEmulator(target, spec, listen)
@@ -350,8 +362,16 @@ def _rtts(address: tuple[str, int], n: int, size: int = 64) -> list[float]:
         return out[2:]  # drop connection warm-up
 
 
-def self_check(delays_ms: Sequence[float] = (5, 10, 25, 50), pings: int = 15, bandwidth_mbps: float = 40.0, tolerance: float = 0.10) -> dict:
-    """Measure added round trip per delay and throughput under a cap; returns a JSON-able report."""
+def thread_cpu_s(native_id: int) -> float:
+    """User+system CPU seconds of one thread of this process (Linux ``/proc``)."""
+    stat = Path(f"/proc/self/task/{native_id}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def self_check(delays_ms: Sequence[float] = (5, 10, 25, 50), pings: int = 15, bandwidth_mbps: float = 40.0, tolerance: float = 0.10, cpu_pings: int = 300) -> dict:
+    """Measure added round trip per delay, the proxy's own CPU per round trip and throughput
+    under a cap; returns a JSON-able report."""
     echo = _EchoServer()
     report: dict = {
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()},
@@ -372,6 +392,12 @@ def self_check(delays_ms: Sequence[float] = (5, 10, 25, 50), pings: int = 15, ba
                 passed = abs(err) <= tolerance
                 ok &= passed
                 report["delay"].append({"one_way_ms": d, "target_added_rtt_ms": target, "measured_added_rtt_ms": round(added, 3), "error": round(err, 4), "pass": passed})
+            # The proxy's own CPU: on one host it shares the cores with the ring it slows down.
+            # Many round trips, as the kernel counts CPU time in whole ticks (10 ms).
+            proxy = emu.add(echo.address, LinkSpec(delay_ms=min(delays_ms)))
+            cpu0 = emu.cpu_s()
+            trips = len(_rtts(proxy, cpu_pings)) + 2  # with the 2 warm-up trips
+            report["proxy_cpu_ms_per_round_trip"] = round((emu.cpu_s() - cpu0) * 1e3 / trips, 3)
             # Bandwidth: push 2 MB one way through a capped link, time until the echo is back.
             size = 2 * 1024 * 1024
             proxy = emu.add(echo.address, LinkSpec(bandwidth_mbps=bandwidth_mbps))
@@ -400,7 +426,8 @@ def self_check(delays_ms: Sequence[float] = (5, 10, 25, 50), pings: int = 15, ba
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.linkemu", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--self-check", action="store_true", help="measure the added RTT at 5/10/25/50 ms and a bandwidth cap")
+    ap.add_argument("--self-check", action="store_true",
+                    help="measure the added RTT at 5/10/25/50 ms, the proxy's CPU per round trip and a bandwidth cap")
     ap.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to listen on (proxy mode)")
     ap.add_argument("--target", help="HOST:PORT to forward to (proxy mode)")
     ap.add_argument("--delay-ms", type=float, default=0.0)
