@@ -78,8 +78,8 @@ class _Timer:
     average) and sleeps until ``deadline - lateness``, so wake-ups land on the deadline on
     average, a fraction of a millisecond either side. It used to yield to the loop from there
     until the deadline: that busy-wait cost ~2 ms of CPU per delivered piece (measured: 4 ms per
-    round trip through one proxy), 10-15% of a core in the head's process during a 4-stage
-    ring run, taken from the ring it measured; and its lateness estimate only ever grew (it
+    round trip through one proxy), 7-12% of a core in the head's process during 4-client
+    cells of a 4-stage ring, taken from the ring it measured; and its lateness estimate only ever grew (it
     added each wake-up's lateness to the estimate instead of averaging it), so it sat at the
     2 ms bound and every delivery spun for ~2 ms.
     """
