@@ -19,8 +19,10 @@ alike (``--pairs`` requests; ``x_fifo`` is then the ratio of tokens over summed 
 and the cell also lists the ratio of every pair, ``pair_x_fifo``). ``--control`` adds a
 second FIFO ring, ``fifo_b``, to the one-client pairs (an A/A comparison: two rings built
 alike, whose ratio shows how far the host's noise and the tree modes' timing-dependent
-choices move a one-client ratio by themselves); the order of the rings then rotates request
-by request. Clients are admitted as
+choices move a one-client ratio by themselves); the requests of a pair then visit the three
+rings in each of their six orders in turn. A one-client cell of equally long answers also
+gives ``x_fifo_ci90``, a 90% bootstrap interval of its ratio over the pairs (in the table
+in brackets). Clients are admitted as
 ``edgespec serve`` admits them (its gate: up to S at once, the rest wait in arrival order);
 ``--via http`` sends them through a real ``edgespec serve`` app (uvicorn, in this process) over
 HTTP streaming instead of the Python API. Every prompt starts with its own comment line
@@ -54,6 +56,7 @@ and ``<prefix>.md`` (the table).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shlex
@@ -237,14 +240,15 @@ def run_cell(client: Any, prompts: list[str], clients: int, requests: int, n_tok
 def run_pairs(clients: dict[str, Any], order: list[str], prompts: list[str], requests: int,
               n_tokens: int, mode: str
               ) -> dict[str, tuple[list[dict[str, Any]], float | None]]:
-    """One client, in pairs: request j goes to every ring of ``order`` in turn, the order
-    rotated by j (two rings: the first one alternates; module docstring). Returns per ring
-    its records and the host's busy CPU seconds over its requests (None where /proc/stat is
-    not there)."""
+    """One client, in pairs: request j goes to every ring of ``order`` in turn, in the j-th
+    of the rings' orderings (``pair_orders``; module docstring). Returns per ring its records
+    and the host's busy CPU seconds over its requests (None where /proc/stat is not
+    there)."""
     got: dict[str, tuple[list[dict[str, Any]], float | None]] = {
         name: ([], 0.0 if host_cpu() else None) for name in order}
+    orders = pair_orders(order)
     for j in range(requests):
-        for name in order[j % len(order):] + order[:j % len(order)]:
+        for name in orders[j % len(orders)]:
             cpu0 = host_cpu()
             rec = clients[name].run(f"# request {mode}-1-0-{j}\n{prompts[j % len(prompts)]}",
                                     n_tokens, mode)
@@ -255,6 +259,29 @@ def run_pairs(clients: dict[str, Any], order: list[str], prompts: list[str], req
             got[name] = (recs, busy + cpu1[0] - cpu0[0] if busy is not None and cpu0 and cpu1
                          else None)
     return got
+
+
+def pair_orders(order: list[str]) -> list[list[str]]:
+    """The orders in which one pair's requests visit the rings, taken in turn pair by pair:
+    every ordering of them, ``order`` first. Two rings alternate which goes first; with
+    three, a rotation alone would have each ring always follow the same other one (fifo
+    after fifo_b after slots), so what a request leaves behind on the host (a ring's
+    trailing work, its caches' contents) would hit one ring every time; all six orders put
+    each ring first, second and third behind either other alike."""
+    return [list(p) for p in itertools.permutations(order)]
+
+
+def ratio_interval(base_s: list[float], other_s: list[float], level: float = 0.9,
+                   resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """Bootstrap interval (``level``, percentile method) of the one-client ratio
+    sum(base_s) / sum(other_s) (``x_fifo`` of equally long answers: the other ring's tokens/s
+    over FIFO's), resampling the pairs: how far the prompts drawn and the host's noise leave
+    it uncertain. Pairs stay pairs (both times of pair j go together)."""
+    a, b = np.asarray(base_s, float), np.asarray(other_s, float)
+    idx = np.random.default_rng(seed).integers(0, len(a), (resamples, len(a)))
+    r = a[idx].sum(axis=1) / b[idx].sum(axis=1)
+    lo, hi = np.percentile(r, [50 * (1 - level), 50 * (1 + level)])
+    return round(float(lo), 3), round(float(hi), 3)
 
 
 def elapsed_s(recs: list[dict[str, Any]], paired: bool) -> float:
@@ -352,15 +379,18 @@ def project(curves: dict[str, Any], cells: list[dict[str, Any]], n_stages: int, 
 
 
 def _table(cells: list[dict[str, Any]]) -> str:
-    head = ("| mode | clients | ring | aggregate tok/s | x fifo | per-request tok/s | "
+    head = ("| mode | clients | ring | aggregate tok/s | x fifo [90% interval] | "
+            "per-request tok/s | "
             "TTFT ms median | TTFT ms p95 | ring TTFT ms median | host CPU % | "
             "CPU ms/token |")
     lines = [head, "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for x in cells:
         def f(v: Any) -> str:
             return "-" if v is None else f"{v:.2f}" if isinstance(v, float) else str(v)
+        ci = x.get("x_fifo_ci90")
+        xf = f(x.get("x_fifo")) + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
         lines.append(f"| {x['mode']} | {x['clients']} | {x['ring']} | "
-                     f"{f(x['aggregate_tok_s'])} | {f(x.get('x_fifo'))} | "
+                     f"{f(x['aggregate_tok_s'])} | {xf} | "
                      f"{f(x['per_request_tok_s_median'])} | {f(x['ttft_ms_median'])} | "
                      f"{f(x['ttft_ms_p95'])} | {f(x['ring_ttft_ms_median'])} | "
                      f"{f(x.get('host_cpu_pct'))} | {f(x.get('host_cpu_ms_per_token'))} |")
@@ -519,10 +549,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if n == 1:
                     rate = {name: [r["tokens"] / (r["t_end"] - r["t_submit"])
                                    for r in pairs[name][0]] for name in order}
+                    secs = {name: [r["t_end"] - r["t_submit"] for r in pairs[name][0]]
+                            for name in order}
                     for name in others:
                         got[name]["pair_x_fifo"] = [
                             round(b / a, 3) for a, b in zip(rate["fifo"], rate[name],
                                                             strict=True)]
+                        if all(r["tokens"] == n_tokens for name_ in order
+                               for r in pairs[name_][0]):  # equally long answers
+                            got[name]["x_fifo_ci90"] = list(ratio_interval(secs["fifo"],
+                                                                           secs[name]))
                 for name in others:
                     got[name]["x_fifo"] = round(got[name]["aggregate_tok_s"]
                                                 / got["fifo"]["aggregate_tok_s"], 3)
