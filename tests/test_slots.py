@@ -242,10 +242,8 @@ def test_seeded_check_allows_a_draw_torn_at_a_boundary_only(ring4, real_model_pa
 
 def test_seeded_sampling_concurrent_equals_alone(ring4, real_model_path):
     """Seeded sampling in mode none: the same draws alone and next to other slots (up to a
-    draw at a boundary the other batch shapes can move). Tree modes are lossless in
-    distribution, not draw for draw: which tokens a sampled tree accepts depends on the tree,
-    and the tree on timing (how far flow drafts ahead), with or without other slots
-    (tests/test_sampling_real.py)."""
+    draw at a boundary the other batch shapes can move). The tree modes: the next test (this
+    ring drafts by retrieval, whose trees at this temperature are next to never accepted)."""
     ring = ring4
     prompts = PROMPTS[:4]
     kw = {"max_tokens": N, "temperature": 0.8, "spec": "none"}
@@ -261,6 +259,31 @@ def test_seeded_sampling_concurrent_equals_alone(ring4, real_model_path):
                             f"seeded {prompts[i][:20]!r}")
     # Most of them equal exactly (a draw near an edge is rare).
     assert sum(g == ref for g, ref in zip(got, alone, strict=True)) >= len(prompts) // 2
+
+
+@pytest.mark.parametrize("mode", ["sync", "flow"])
+def test_seeded_sampling_through_drafted_trees_concurrent_equals_alone(real_model_path, mode):
+    """Seeded sampling through trees that are accepted: verification draws position p's
+    token with ``uniform(seed, p)`` and descends to the child holding it (edgespec.tree.core),
+    so which tree was drafted, and how far flow drafted ahead, moves no draw; alone and next
+    to another slot the draws agree up to one at a boundary the rows' rounding can move. (The
+    draft model is the target itself, so its trees hold what the target samples.)"""
+    prompts = PROMPTS[:2]
+    kw = {"max_tokens": N, "temperature": 0.8, "spec": mode}
+    with Ring.local(real_model_path, stages=2, parallel=2, n_ctx=2048, draft=real_model_path,
+                    draft_quant="none") as ring:
+        alone_gens = []
+        for i, p in enumerate(prompts):
+            ring.reset()
+            alone_gens.append(ring.generate(p, seed=2000 + i, **kw))
+        ring.reset()
+        gens = _concurrently(lambda ip: ring.generate(ip[1], seed=2000 + ip[0], **kw),
+                             list(enumerate(prompts)))
+        assert max(g.stats.mean_accepted for g in alone_gens + gens) > 1.5  # trees took part
+        for i, (g, ref) in enumerate(zip(gens, alone_gens, strict=True)):
+            assert_same_sampled(g.tokens, ref.tokens, real_model_path,
+                                _tokens(ring, prompts[i]), 2000 + i, 0.8,
+                                f"{mode}, seeded {prompts[i][:20]!r}")
 
 
 # ------------------------------------------------------------------------- prefix reuse
