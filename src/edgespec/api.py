@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from edgespec.batch import Sampling
-from edgespec.errors import RequestError
+from edgespec.errors import RequestError, RingError, TakenOver
 from edgespec.head.chain import Chain
 from edgespec.head.engine import GenerationStats, SpecEngine
 from edgespec.head.engine.cost import CostModel
@@ -54,7 +54,9 @@ class Generation:
     text: str
     tokens: list[int]
     stats: GenerationStats
-    finish_reason: str  # "stop" (EOG or stop sequence) or "length"
+    #: "stop" (end of generation or a stop sequence), "length" (max_tokens) or "cancelled"
+    #: (its ``cancel`` event was set before either).
+    finish_reason: str
     #: The max_tokens actually used when the one asked for did not fit in the context left
     #: after the prompt (llama.cpp's rule: cap, don't fail); None when it fitted.
     capped_max_tokens: int | None = None
@@ -134,10 +136,37 @@ class Ring:
             return SpecEngine(ch, drafter=drafter, n_ctx=self.slot_ctx,
                               is_eog=tokenizer.is_eog, **options)
 
+        #: Set once another head took the ring over on purpose (``--take-over``): this head
+        #: then does not take the nodes back by itself (a recovery would undo the other's
+        #: choice); its requests fail saying so until it is restarted.
+        self.taken_over: str | None = None
+        self._recovering = 0
+        self._recovering_lock = threading.Lock()
+        self._rebalance_fn: Callable[..., Chain] | None = None
+        self.can_recover = recover is not None
+
+        def recover_chain(exc: Exception) -> Chain:
+            taken = str(exc) if isinstance(exc, TakenOver) else next(
+                (m.taken_over for m in getattr(self.pool.current_chain, "members", ())
+                 if getattr(m, "taken_over", None)), None)
+            if taken is not None and self.taken_over is None:
+                self.taken_over = f"{taken}; restart this head to take the ring back"
+            if self.taken_over is not None:
+                raise RingError(self.taken_over)
+            with self._recovering_lock:
+                self._recovering += 1
+            try:
+                assert recover is not None
+                return recover(exc)
+            finally:
+                with self._recovering_lock:
+                    self._recovering -= 1
+
         # Each slot's session owns the failures of its generations (retries, resync,
         # replay); the pool shares one ring rebuild between the slots.
         self.pool = SlotPool(chain, make_engine, Session, parallel=parallel,
-                             max_queue=max_queue, recover=recover)
+                             max_queue=max_queue,
+                             recover=recover_chain if recover is not None else None)
         self._drafter = self._drafters[0] if self._drafters else None
         self._last_slot = self.pool.slots[0]
         # Slot 0's engine and session (the only ones when parallel=1).
@@ -158,6 +187,32 @@ class Ring:
         (their KV waits in the stages' host memory for the conversation's next turn,
         docs/design.md 5.8)."""
         return [s.info() for s in self.pool.slots]
+
+    @property
+    def recovering(self) -> bool:
+        """True while the ring is being re-formed after a lost node."""
+        with self._recovering_lock:
+            return self._recovering > 0
+
+    def rebalance(self, nodes: Sequence[str] = (), profile: bool = True) -> None:
+        """Re-plan this head's ring over every node that answers (its known nodes, a node
+        that returned, and ``nodes``: more ``host:port``), profiling them unless ``profile``
+        is false; saves the new plan where the ring was saved. Requests in flight finish
+        first and new ones wait until the new ring is up. RequestError on a ring that cannot
+        be re-planned this way (every window in this process, or a local ring)."""
+        if self._rebalance_fn is None:
+            raise RequestError("this ring cannot be rebalanced: its nodes are processes of "
+                               "this head (a local ring); restart it to re-plan", "nodes")
+        if self.taken_over is not None:
+            raise RingError(self.taken_over)
+        from edgespec.head.addresses import parse_nodes
+
+        try:
+            extra = parse_nodes(",".join(nodes)) if nodes else []
+        except ValueError as e:
+            raise RequestError(str(e), "nodes") from None
+        fn = self._rebalance_fn
+        self.pool.rebuild(lambda: fn(extra, profile))
 
     @property
     def chain(self) -> Chain:
@@ -264,6 +319,8 @@ class Ring:
                        top_p: float, top_k: int, seed: int, stop: Sequence[str],
                        spec: SpecMode | None, cancel: threading.Event | None = None,
                        ignore_eos: bool = False) -> TextStream:
+        if self.taken_over is not None:  # the nodes serve another head now, on purpose
+            raise RingError(self.taken_over)
         mode = spec or self.default_spec
         asked = max_tokens
         sampling, max_tokens = self._check_request(prompt_tokens, max_tokens, temperature,
@@ -309,8 +366,6 @@ class Ring:
                                 break
                         if done:
                             break
-                        if cancel is not None and cancel.is_set():
-                            finish = "stop"
                         safe = len(text) - holdback if stops else len(text)
                         if safe > emitted:
                             yield text[emitted:safe]
@@ -319,8 +374,9 @@ class Ring:
                     chunks.close()  # statistics now cover every ring the generation ran on
                     slot.tokens = engine.stats.tokens
                     slot.tokens_per_s = engine.stats.tokens_per_s
-                if cancel is not None and cancel.is_set() and len(tokens) < max_tokens:
-                    finish = "stop"  # cancelled short of max_tokens: it did not run out
+                if (not done and cancel is not None and cancel.is_set()
+                        and len(tokens) < max_tokens):
+                    finish = "cancelled"  # stopped by its caller short of its natural end
                 if len(text) > emitted:
                     yield text[emitted:]
                 stats = engine.stats
@@ -431,6 +487,16 @@ class Ring:
                              can_recover=self.session.recover is not None)
         view.spec, view.drafter = self.default_spec, _drafter_name(self._drafter)
         view.recoveries = list(self.recovery_log)
+        if self.taken_over is not None:
+            view.status, view.message = "down", self.taken_over
+            view.hint = "restart this head (e.g. `edgespec serve`) to take the ring back"
+        elif view.status == "down" and self.local_nodes is not None:
+            # A local ring's nodes are this head's own processes: no `edgespec node` to start.
+            n = len(getattr(self.local_nodes, "procs", []) or []) or len(view.stages)
+            view.hint = (("the next request re-plans over the node processes still running; "
+                          "or " if self.can_recover else "")
+                         + f"restart this head to start its {n} node processes again "
+                         f"(`edgespec serve --local {n}`, `edgespec chat --local {n}`)")
         last = self.last
         view.lap_timing = last.stats.lap_timing.as_dict() if last is not None else None
         return view.to_dict()

@@ -8,6 +8,8 @@
   head resynchronises its KV state, and nothing is rebuilt.
 - ``NodeLost``: a connection to a node broke, or it missed its heartbeats. Only this starts a
   recovery (re-plan over the survivors, replay), and recoveries are bounded.
+- ``TakenOver``: another head took the ring on purpose (``--take-over``): a ``NodeLost`` for
+  the work in flight, but the head does not take the nodes back by itself.
 - ``RingBusy``: the ring serves another head; the message names it and what to do.
 - ``RingError``: the base of the last three, and what forming or attaching a ring raises.
 """
@@ -29,6 +31,10 @@ class RingError(RuntimeError):
 
 class NodeLost(RingError):
     """A node's connection broke or it stopped answering heartbeats."""
+
+
+class TakenOver(NodeLost):
+    """Another head took this head's nodes on purpose (``--take-over``)."""
 
 
 class StageFailure(RingError):

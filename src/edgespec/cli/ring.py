@@ -177,22 +177,110 @@ def _served_ring_status(args: argparse.Namespace, url: str, health: dict,
     return 0
 
 
+def _holders(state, key: bytes) -> dict[str, dict]:
+    """The heads holding nodes of the saved ring now (asked of every node), by head id."""
+    from edgespec.head.view import view_of_state
+
+    view = view_of_state(state, key)
+    return {r.holder["id"]: r.holder for r in view.nodes if r.holder and not r.left}
+
+
+def _serving_url(holder: dict, args: argparse.Namespace) -> str | None:
+    """Where the head ``holder`` answers, if it is an `edgespec serve`: ``--server``, the URL
+    it told its nodes, or its record on this host."""
+    import json
+
+    from edgespec.cli.served import record_path, running_server
+
+    if args.server:
+        return args.server
+    if holder.get("url"):
+        return str(holder["url"])
+    url = running_server()
+    if url is not None:
+        try:
+            rec = json.loads(record_path().read_text())
+        except (OSError, ValueError):
+            return None
+        if rec.get("pid") == holder.get("pid") and rec.get("host") == holder.get("host"):
+            return url
+    return None
+
+
 def _ring_down(args: argparse.Namespace) -> int:
     from edgespec.head.formation import unload_nodes
     from edgespec.head.remote import head_identity
     from edgespec.head.state import load_state, state_path
+    from edgespec.holder import describe_holder
     from edgespec.wire.auth import load_key
 
     state = load_state()
     key = load_key(args.key_file or state.key_file)
+    if not args.take_over:
+        holders = _holders(state, key)
+        if holders:
+            # Taking the ring from under a running head is never what a plain `down` means:
+            # the head would go on using (or take back) the nodes. Its state stays.
+            h = next(iter(holders.values()))
+            print(f"edgespec: the ring is held by {describe_holder(h)}"
+                  + (f" at {h['url']}" if h.get("url") else "")
+                  + ": stop it first (Ctrl-C or SIGTERM), or pass --take-over to unload "
+                    "the ring from under it (its requests then fail); nothing was changed",
+                  file=sys.stderr)
+            return 1
     nodes = state.named_nodes()
     done = unload_nodes(nodes, key, head=head_identity("edgespec ring down"),
                         take_over=args.take_over, say=print,
                         warn=lambda s: print(s, file=sys.stderr))
-    state_path().unlink(missing_ok=True)
     missed = len(nodes) - len(done)
+    if missed and not args.take_over and _holders(state, key):
+        print("edgespec: a head took nodes of the ring meanwhile; the ring state is kept",
+              file=sys.stderr)
+        return 1
+    state_path().unlink(missing_ok=True)
     print("ring is down" + (f"; {missed} node(s) not reached (they hold nothing of it once "
                             f"restarted)" if missed else ""))
+    return 0
+
+
+def _rebalance_through(url: str, holder: dict, args: argparse.Namespace) -> int:
+    """Ask the serving head at ``url`` to rebalance the ring it holds."""
+    import json
+    import os
+    import urllib.error
+    import urllib.request
+
+    from edgespec.holder import describe_holder
+
+    body = {"profile": not args.no_profile,
+            "nodes": [n.strip() for n in (args.nodes or "").split(",") if n.strip()]}
+    req = urllib.request.Request(url.rstrip("/") + "/v1/ring/rebalance",
+                                 json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    api_key = args.api_key or os.environ.get("EDGESPEC_API_KEY")
+    if api_key:
+        req.add_header("Authorization", f"Bearer {api_key}")
+    print(f"the ring is held by {describe_holder(holder)}: rebalancing through it at {url} "
+          "(requests in flight finish first)...")
+    try:
+        with urllib.request.urlopen(req, timeout=args.wait) as r:  # noqa: S310 - http(s)
+            view = json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        try:
+            why = json.loads(e.read())["error"]["message"]
+        except Exception:
+            why = e.reason
+        hint = " (give its key: --api-key or $EDGESPEC_API_KEY)" if e.code == 401 else ""
+        print(f"edgespec: the server at {url} refused the rebalance ({e.code}): {why}{hint}",
+              file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"edgespec: the server at {url} did not answer: {e}; give its URL with --server",
+              file=sys.stderr)
+        return 1
+    stages = view.get("stages") or []
+    print(f"ring rebalanced by the server: {len(stages)} stage(s): " + ", ".join(
+        f"{s['layers'][0]}:{s['layers'][1]} on {s['node']}" for s in stages))
     return 0
 
 
@@ -201,10 +289,22 @@ def _ring_rebalance(args: argparse.Namespace) -> int:
     from edgespec.head.formation import reform_ring
     from edgespec.head.remote import head_identity
     from edgespec.head.state import load_state, save_state
+    from edgespec.holder import describe_holder
     from edgespec.wire.auth import load_key
 
     state = load_state()
     key = load_key(args.key_file or state.key_file)
+    if not args.take_over:
+        holders = _holders(state, key)
+        if holders:
+            h = next(iter(holders.values()))
+            url = _serving_url(h, args)
+            if url is not None:
+                return _rebalance_through(url, h, args)
+            print(f"edgespec: the ring is held by {describe_holder(h)}, which takes no "
+                  "rebalance from outside: stop it first, give the URL of the `edgespec "
+                  "serve` holding it with --server, or pass --take-over", file=sys.stderr)
+            return 1
     addrs = state.node_addresses()
     if args.nodes:
         addrs += [a for a in parse_nodes(args.nodes) if a not in addrs]
@@ -260,14 +360,28 @@ def _add_ring(sub) -> None:
                          "free, tokens, speed); default: the one running on this host")
     st.add_argument("--api-key", default=None,
                     help="that server's key (default: $EDGESPEC_API_KEY, if set)")
-    dn = _add(rsub, "down", "unload every node's windows and forget the ring", func=_ring_down)
+    dn = _add(rsub, "down", "unload every node's windows and forget the ring",
+              "Refused (exit 1, nothing changed) while a head holds the ring: stop that "
+              "head (an `edgespec serve`, a chat) first.", func=_ring_down)
     dn.add_argument("--key-file", default=None, help="ring key")
     dn.add_argument("--take-over", action="store_true",
-                    help="unload nodes even while another head (chat, serve) holds them")
+                    help="unload nodes even while another head (chat, serve) holds them; that "
+                         "head's requests then fail and it does not take the ring back")
     rb = _add(rsub, "rebalance", "re-plan the ring over every reachable node (takes back a "
-              "node that returned after a loss)", func=_ring_rebalance)
+              "node that returned after a loss)",
+              "While an `edgespec serve` holds the ring, the rebalance goes through it (its "
+              "requests in flight finish first, new ones wait for the new plan); while any "
+              "other head holds it, it is refused (exit 1).", func=_ring_rebalance)
     rb.add_argument("--nodes", default=None, help="extra host:port,... to take in")
     rb.add_argument("--no-profile", action="store_true", help="skip profiling (even split)")
     rb.add_argument("--key-file", default=None, help="ring key")
     rb.add_argument("--take-over", action="store_true",
-                    help="re-form even while another head (chat, serve) holds the nodes")
+                    help="re-form here even while another head (chat, serve) holds the nodes; "
+                         "that head's requests then fail and it does not take the ring back")
+    rb.add_argument("--server", default=None, metavar="URL",
+                    help="the `edgespec serve` holding the ring (default: the URL its nodes "
+                         "name, or the server running on this host)")
+    rb.add_argument("--api-key", default=None,
+                    help="that server's key (default: $EDGESPEC_API_KEY, if set)")
+    rb.add_argument("--wait", type=float, default=900.0, metavar="S",
+                    help="seconds to wait for a server's rebalance (default: %(default)s)")

@@ -131,17 +131,28 @@ def _check_port_free(host: str, port: int) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
 
-    from edgespec.cli.served import serve_record
+    import socket
+
+    from edgespec.cli.served import local_url, serve_record
+    from edgespec.head import remote
     from edgespec.server.app import serve
 
     _check_port_free(args.host, args.port)
-    # The record lets `edgespec ring status` find this server and show its slots.
-    with _open_ring(args) as ring, serve_record(args.host, args.port):
+    if args.port:
+        # The nodes show this URL as their holder's, so `ring rebalance` run on any machine
+        # goes through this server (a wildcard address is named by this host's name).
+        wild = args.host in ("0.0.0.0", "::", "")
+        remote.SERVING_URL = (f"http://{socket.gethostname()}:{args.port}" if wild
+                              else local_url(args.host, args.port))
+    # The record lets `edgespec ring status` and `ring rebalance` find this server.
+    with _open_ring(args) as ring, serve_record(args.host, args.port) as record:
         # --model is what the user calls the model (a registry name or a path): clients
         # may use it as the model id too.
         serve(ring, args.served_name or ring.model_name, host=args.host, port=args.port,
               max_queue=args.max_queue, aliases=[args.model],
-              api_key=args.api_key or os.environ.get("EDGESPEC_API_KEY") or None)
+              api_key=args.api_key or os.environ.get("EDGESPEC_API_KEY") or None,
+              allow_hosts=args.allow_host, read_timeout=args.read_timeout,
+              on_ready=lambda url: record.write(local_url(args.host, int(url.rsplit(":", 1)[1]))))
     return 0
 
 
@@ -172,6 +183,16 @@ def _add_serve(sub) -> None:
                    help="require this bearer token on every endpoint, the web page included; "
                         "without the flag, $EDGESPEC_API_KEY if set. Set one when --host shares "
                         "the server on the LAN")
+    p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                   help="also answer requests whose Host is NAME (repeatable), e.g. the name "
+                        "a reverse proxy or your LAN's DNS gives this machine. Requests naming "
+                        "any other host are refused (a web page elsewhere cannot reach this "
+                        "server through DNS rebinding); localhost names, the --host address "
+                        "and, with --host 0.0.0.0, this machine's addresses and name are "
+                        "always allowed")
+    p.add_argument("--read-timeout", type=float, default=15.0, metavar="S",
+                   help="seconds a client has to send a whole request, headers and body; "
+                        "slower connections are dropped (default: %(default)s)")
 
 
 def _demo(args: argparse.Namespace) -> int:

@@ -27,27 +27,45 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
+class _Record:
+    """The record of this server: written once its URL is known, removed when it stops."""
+
+    def __init__(self) -> None:
+        self.path = record_path()
+        self.written = False
+
+    def write(self, url: str) -> None:
+        """(Re)write the record with ``url`` (best effort: a read-only home only means
+        `ring status` cannot show the slots)."""
+        rec = {"url": url, "pid": os.getpid(), "host": socket.gethostname(),
+               "since": time.time()}
+        with contextlib.suppress(OSError):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(rec))
+            tmp.replace(self.path)
+            self.written = True
+
+
+def local_url(host: str, port: int) -> str:
+    """The URL this host reaches a server listening on ``host:port`` at."""
+    return f"http://{_url_host(host)}:{port}"
+
+
 @contextlib.contextmanager
 def serve_record(host: str, port: int):
-    """Write the record for the server's lifetime (best effort: a read-only home only means
-    `ring status` cannot show the slots)."""
-    path = record_path()
-    rec = {"url": f"http://{_url_host(host)}:{port}", "pid": os.getpid(),
-           "host": socket.gethostname(), "since": time.time()}
-    written = False
-    with contextlib.suppress(OSError):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(rec))
-        tmp.replace(path)
-        written = True
+    """The record for the server's lifetime: written now when the port is known, else by
+    ``record.write(url)`` once the server listens."""
+    record = _Record()
+    if port:
+        record.write(local_url(host, port))
     try:
-        yield rec
+        yield record
     finally:
-        if written:
+        if record.written:
             with contextlib.suppress(OSError, ValueError):
-                if json.loads(path.read_text()).get("pid") == os.getpid():
-                    path.unlink()
+                if json.loads(record.path.read_text()).get("pid") == os.getpid():
+                    record.path.unlink()
 
 
 def running_server() -> str | None:

@@ -101,6 +101,23 @@ def recovering(model: Path, key_bytes: bytes, known: list[Address], head: dict,
     return recover
 
 
+def rebalancing(model: Path, key_bytes: bytes, known: list[Address], head: dict,
+                options: dict, **form: Any) -> Callable[[list[Address], bool], RemoteChain]:
+    """The rebalance of a saved ring by the head that holds it (``Ring.rebalance``): re-form
+    over the known nodes and ``extra`` that answer, profiled unless told otherwise, and save
+    the new plan; ``extra`` nodes are known from then on."""
+
+    def rebalance(extra: list[Address], profile: bool) -> RemoteChain:
+        known.extend(a for a in extra if a not in known)
+        chain = reform_ring(known, model, key_bytes, head=head, profile=profile, **form)
+        with contextlib.suppress(OSError):
+            save_state(chain, model, options, known=known,
+                       reason="did not answer at rebalance")
+        return chain
+
+    return rebalance
+
+
 def find_nodes(nodes: str, key_bytes: bytes, *, expect: int | None = None,
                timeout: float = 5.0, log_fn: Callable[[str], None] = log.warning
                ) -> list[Address]:
@@ -155,14 +172,18 @@ def attach(cls, state: str | os.PathLike[str] | None = None, *, key: str | None 
     key_bytes = load_key(key or st.key_file)
     head = head_identity()
     model = Path(st.model)
-    recover = recovering(model, key_bytes, st.node_addresses(), head, st.options,
+    known = st.node_addresses()  # one list: nodes a rebalance takes in, a recovery knows too
+    recover = recovering(model, key_bytes, known, head, st.options,
                          n_ctx=st.n_ctx, encoding=st.encoding, take_over=take_over)
     try:
         chain = attach_chain(st, key_bytes, head=head, take_over=take_over)
     except NodeLost as e:
         log.warning("the saved ring is not intact (%s); re-forming it", e)
         chain = recover(e)
-    return build_head(cls, chain, model, n_ctx=st.n_ctx, recover=recover, **kwargs)
+    ring = build_head(cls, chain, model, n_ctx=st.n_ctx, recover=recover, **kwargs)
+    ring._rebalance_fn = rebalancing(model, key_bytes, known, head, st.options,
+                                     n_ctx=st.n_ctx, encoding=st.encoding)
+    return ring
 
 
 def up(cls, model: str | os.PathLike[str], nodes: str = "auto", *, key: str | None = None,
@@ -185,10 +206,14 @@ def up(cls, model: str | os.PathLike[str], nodes: str = "auto", *, key: str | No
                            ranges=ranges, n_ctx=n_ctx, encoding=encoding, head=head,
                            take_over=take_over)
     options = {"encoding": encoding, "n_ctx": n_ctx, "key_file": key}
-    recover = recovering(model_path, key_bytes, list(addrs), head, options, n_ctx=n_ctx,
+    known = list(addrs)
+    recover = recovering(model_path, key_bytes, known, head, options, n_ctx=n_ctx,
                          encoding=encoding, rounds=rounds)
-    return build_head(cls, chain, model_path, spec=spec, draft=draft, n_ctx=n_ctx,
+    ring = build_head(cls, chain, model_path, spec=spec, draft=draft, n_ctx=n_ctx,
                       recover=recover, **engine)
+    ring._rebalance_fn = rebalancing(model_path, key_bytes, known, head, options,
+                                     n_ctx=n_ctx, encoding=encoding, rounds=rounds)
+    return ring
 
 
 def open_local_ring(cls, model: str | os.PathLike[str], stages: int, *, draft=None,

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from edgespec.batch import Batch, Result
-from edgespec.errors import NodeLost, RingBusy, RingError, StageFailure
+from edgespec.errors import NodeLost, RingBusy, RingError, StageFailure, TakenOver
 from edgespec.head.planner import Plan
 from edgespec.tree.kvop import KvOp
 from edgespec.wire import FieldTag, Kind, Message
@@ -62,8 +62,16 @@ def head_identity(what: str | None = None) -> dict[str, Any]:
         # `edgespec serve` (console script) or `python -m edgespec serve` (.../__main__.py).
         cli = len(sys.argv) > 1 and "edgespec" in sys.argv[0]
         what = f"edgespec {sys.argv[1]}" if cli else "a Python head"
-    return {"id": secrets.token_hex(8), "pid": os.getpid(), "host": socket.gethostname(),
-            "what": what, "since": time.time()}
+    ident = {"id": secrets.token_hex(8), "pid": os.getpid(), "host": socket.gethostname(),
+             "what": what, "since": time.time()}
+    if SERVING_URL is not None:
+        ident["url"] = SERVING_URL
+    return ident
+
+
+#: Set by `edgespec serve` before it opens its ring: the URL it will answer at, which the
+#: nodes then show as their holder's (so `ring rebalance` anywhere can go through it).
+SERVING_URL: str | None = None
 
 
 def _node_error(name: str, op: str, code: str, message: str) -> RingError:
@@ -113,6 +121,7 @@ class Member:
     thread: threading.Thread | None = None
     alive: bool = True
     last_rtt_ms: float = 0.0
+    taken_over: str | None = None  # the node's word when another head took it on purpose
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self._read, name=f"edgespec-head-{self.name}",
@@ -125,8 +134,10 @@ class Member:
                 msg = self.conn.recv()
             except Exception as e:  # connection lost: every waiter learns it
                 self.alive = False
-                err = NodeLost(f"lost node {self.name} ({self.address[0]}:{self.address[1]}): "
-                               f"{e}")
+                log.debug("head: connection to %s ended: %s", self.name, e)
+                err = (TakenOver(self.taken_over) if self.taken_over is not None else
+                       NodeLost(f"lost node {self.name} ({self.address[0]}:"
+                                f"{self.address[1]}): its connection closed"))
                 self.results.put(err)
                 with self.lock:
                     for q in self.replies.values():
@@ -145,8 +156,10 @@ class Member:
                 meta = msg.meta
                 code = str(meta.get("code"))
                 text = f"{self.name}: {code}: {meta.get('message')}"
-                err: RingError = (NodeLost(text) if code in LOST_CODES
-                                  else StageFailure(text, code, msg.lap_id))
+                if code == "taken_over":
+                    self.taken_over = str(meta.get("message"))
+                err: RingError = (TakenOver(text) if code == "taken_over" else NodeLost(text)
+                                  if code in LOST_CODES else StageFailure(text, code, msg.lap_id))
                 err.lap = msg.lap_id  # type: ignore[attr-defined]
                 self.results.put(err)
             elif msg.kind == Kind.CLOSE:

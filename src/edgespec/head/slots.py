@@ -478,6 +478,28 @@ class SlotPool:
             slot.epoch = self.epoch
             return SlotChain(self.demux, slot.index, self.width)
 
+    def rebuild(self, make_chain: Callable[[], Chain]) -> Chain:
+        """Replace the ring on purpose (a rebalance): every slot is taken first, so requests
+        in flight finish and new ones wait; then the old chain is closed and ``make_chain``
+        forms the new one, which every slot moves onto. The slots' conversations start anew
+        on it (their KV lived on the old windows)."""
+        with contextlib.ExitStack() as held:
+            for i in range(self.parallel):
+                held.enter_context(self.acquire((), index=i))
+            with self._recover_lock:
+                with contextlib.suppress(Exception):
+                    self.current_chain.close()
+                chain = make_chain()
+                if self.demux is None:
+                    slot = self.slots[0]
+                    slot.session.chain = chain
+                    slot.engine.replace_chain(chain)
+                else:
+                    self.chain = chain
+                    self.demux = Demux(chain)
+                    self.epoch += 1  # each slot moves onto it at its next request
+        return chain
+
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self.current_chain.close()

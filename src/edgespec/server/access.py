@@ -3,7 +3,9 @@ cookie, compared in constant time; a login page for a browser without it."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import hashlib
 import hmac
 from http.cookies import SimpleCookie
 from typing import Any
@@ -13,15 +15,20 @@ from fastapi.responses import HTMLResponse, Response
 
 from edgespec.server.replies import _error
 
+#: The login page's one script, allowed by its hash in the page's Content-Security-Policy
+#: (``listener.HostCheck``): no other inline script runs.
+_LOGIN_SCRIPT = """
+document.getElementById("f").onsubmit = (e) => { e.preventDefault();
+  document.cookie = "edgespec_key=" + encodeURIComponent(document.getElementById("k").value) +
+    "; path=/; SameSite=Strict"; location.reload(); };
+"""
+LOGIN_SCRIPT_HASH = base64.b64encode(hashlib.sha256(_LOGIN_SCRIPT.encode()).digest()).decode()
+
 _LOGIN_PAGE = """<!doctype html><html lang="en"><head><meta charset="utf-8">
 <title>edgespec: API key</title></head><body style="font: 15px system-ui; margin: 3em">
 <h1>edgespec</h1><p>This server needs its API key (<code>edgespec serve --api-key</code>).</p>
 <form id="f"><input id="k" type="password" autofocus placeholder="API key" size="40">
-<button>Open</button></form><script>
-document.getElementById("f").onsubmit = (e) => { e.preventDefault();
-  document.cookie = "edgespec_key=" + encodeURIComponent(document.getElementById("k").value) +
-    "; path=/; SameSite=Strict"; location.reload(); };
-</script></body></html>"""
+<button>Open</button></form><script>""" + _LOGIN_SCRIPT + """</script></body></html>"""
 
 
 class _KeyCheck:

@@ -19,7 +19,9 @@ Model names: the served name, the ring's model (the GGUF file's stem), and the `
 model. Since one model is served, any other name is served too, with a warning in the log
 (as llama-server does), so clients configured with another model id keep working.
 
-``GET /health`` answers at once, whatever the ring is doing::
+``GET /health`` answers at once, whatever the ring is doing, from the verdict of a
+background probe (``health.Monitor``): ``status`` "ok" (200), "degraded" (200) or "down"
+(503), with a ``message`` unless ok::
 
     {"status": "ok", "model": <served name>, "serving": 0..S, "queued": <waiting requests>,
      "max_queue": N, "parallel": S, "slots": [{"slot", "state", "tokens", "tokens_per_s",
@@ -32,7 +34,10 @@ request, its decode speed, its prompt, the committed tokens the slot holds and w
 their KV is parked in the stages' host memory); ``completed``,
 ``abandoned`` (the client left before its generation ended), ``rejected`` (429: queue full)
 count requests since start; ``recoveries`` counts ring rebuilds after a node was lost;
-``viewers``: web pages following the live view now.
+``viewers``: web pages following the live view now. ``GET /metrics``: Prometheus' text
+format (``health.Metrics``). ``POST /v1/ring/rebalance``: re-plan the ring this server holds
+(`edgespec ring rebalance` comes here while the server holds the ring). The listener's
+defences (read deadline, host check, JSON only, the page's CSP) are ``listener``'s.
 
 ``GET /`` serves a single page (files shipped in the package under ``edgespec/web``: no build
 step, nothing from a CDN): a chat over the endpoints above, the ring drawn live, the token
@@ -54,8 +59,9 @@ queue is bounded: besides the requests being served, at most ``max_queue`` wait;
 that gets 429 at once instead of waiting without end. A client that disconnects stops its
 generation at the next step (or leaves the queue at once, if it was still waiting), so
 abandoned requests hold neither a slot nor a place in the queue. SIGTERM
-or SIGINT stops every generation at its next step (streams end with ``finish_reason:
-"stop"``), so the server exits promptly even mid-answer and the caller closes the ring.
+or SIGINT stops every generation at its next step (a stream then ends with an error event
+``shutting_down`` and no ``[DONE]``, a plain request gets 503: a cut answer never passes for a
+whole one), so the server exits promptly even mid-answer and the caller closes the ring.
 FastAPI/uvicorn are used because they are the standard ASGI stack for this kind of API.
 
 This module builds the app (routes) and runs it; the parts live beside it: ``requests``
@@ -67,10 +73,12 @@ key).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
+import socket
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -80,11 +88,20 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from edgespec.api import Ring
-from edgespec.server.access import _KeyCheck
+from edgespec.server.access import LOGIN_SCRIPT_HASH, _KeyCheck
 from edgespec.server.gate import _Gate, _Inflight
+from edgespec.server.health import Metrics, Monitor
+from edgespec.server.listener import (
+    MAX_READING,
+    READ_TIMEOUT_S,
+    HostCheck,
+    ReadGuard,
+    allowed_hosts,
+    guarded_protocol,
+)
 from edgespec.server.live import _Live, live_events
 from edgespec.server.replies import _error, _failure, _failure_message
-from edgespec.server.requests import _BadRequest
+from edgespec.server.requests import _BadRequest, parse_rebalance
 from edgespec.server.streaming import Completions
 
 log = logging.getLogger("edgespec.server")
@@ -128,25 +145,49 @@ def _slots(ring: Ring) -> list[dict[str, Any]]:
     return [dict(s) for s in fn()] if callable(fn) else []
 
 
+#: The endpoints whose POST bodies are JSON (anything else is 415).
+JSON_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/ring/rebalance")
+
+
 def create_app(ring: Ring, model_name: str, max_queue: int = 16,
                aliases: Sequence[str] = (), max_body: int = MAX_BODY_BYTES,
-               api_key: str | None = None) -> FastAPI:
+               api_key: str | None = None, hosts: set[str] | None = None) -> FastAPI:
     """The ASGI app serving ``ring`` under ``model_name`` (``aliases``: other names clients
     may use for it, e.g. the registry name). ``app.state.shutdown()`` stops every generation
     at its next step and refuses new requests (``serve`` calls it on SIGTERM/SIGINT).
-    ``api_key``: every endpoint, the page and its live stream included, then needs it."""
+    ``api_key``: every endpoint, the page and its live stream included, then needs it.
+    ``hosts``: the names a request's Host may carry (``listener.allowed_hosts``); None: any."""
+    live = _Live(ring)
+    monitor = Monitor(ring, live.snapshot)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        monitor.start()  # /health's verdict stays current while the server runs
+        try:
+            yield
+        finally:
+            monitor.stop()
+
     app = FastAPI(title="edgespec", version="1", docs_url=None, redoc_url=None,
-                  openapi_url=None)
+                  openapi_url=None, lifespan=lifespan)
     if api_key:
         app.add_middleware(_KeyCheck, key=api_key)
+    # Outermost: a request for another site's host is refused before anything else.
+    app.add_middleware(HostCheck, hosts=hosts, json_paths=JSON_ENDPOINTS,
+                       login_script_hash=LOGIN_SCRIPT_HASH)
     gate = _Gate(max_queue, parallel=_parallel(ring))
     inflight = _Inflight()
-    live = _Live(ring)
     web = _web_files()
     app.state.live = live
-    app.state.shutdown = inflight.close
     app.state.gate = gate
+    app.state.monitor = monitor
     known_names = _model_names(model_name, ring.model_name, aliases)
+
+    def shutdown() -> None:
+        inflight.close()
+        monitor.stop()
+
+    app.state.shutdown = shutdown
 
     @app.exception_handler(_BadRequest)
     async def _bad_request(_: Request, exc: _BadRequest) -> JSONResponse:
@@ -175,13 +216,27 @@ def create_app(ring: Ring, model_name: str, max_queue: int = 16,
         with counts_lock:
             counts[what] += 1
 
+    def gauges() -> dict[str, float]:
+        return {**gate.state(), "parallel": gate.parallel}
+
+    metrics = Metrics(ring, gauges, lambda: monitor.verdict)
+    app.state.metrics = metrics
+
     @app.get("/health")
-    async def health() -> dict[str, Any]:
+    async def health() -> JSONResponse:
+        status, why = monitor.verdict
         with counts_lock:
             done = dict(counts)
-        return {"status": "ok", "model": model_name, **gate.state(),
+        body = {"status": status, "model": model_name, **gate.state(),
                 "parallel": gate.parallel, "slots": _slots(ring), **done,
                 "recoveries": len(ring.recovery_log), "viewers": live.subscribers}
+        if why:
+            body["message"] = why
+        return JSONResponse(body, status_code=503 if status == "down" else 200)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/")
     async def page() -> Response:
@@ -200,6 +255,7 @@ def create_app(ring: Ring, model_name: str, max_queue: int = 16,
         snap.update(gate.state())
         snap["parallel"], snap["slots"] = gate.parallel, _slots(ring)
         snap["history"] = list(live.history)
+        snap["health"], snap["health_message"] = monitor.verdict
         return snap
 
     @app.get("/v1/ring")
@@ -208,36 +264,97 @@ def create_app(ring: Ring, model_name: str, max_queue: int = 16,
         queue, and this server's per-generation records."""
         return await asyncio.to_thread(_ring_json)
 
+    @app.post("/v1/ring/rebalance")
+    async def ring_rebalance(request: Request) -> dict[str, Any]:
+        """Re-plan the ring this server holds over every node that answers (and ``nodes``,
+        more ``host:port`` to take in), profiling them unless ``profile`` is false.
+        Requests in flight finish first; new ones wait until the new ring is up
+        (`edgespec ring rebalance` goes through here while this server holds the ring)."""
+        body = parse_rebalance(await request.body())
+        await asyncio.to_thread(ring.rebalance, nodes=body.nodes, profile=body.profile)
+        monitor.replanned()
+        live.invalidate()
+        return await asyncio.to_thread(_ring_json)
+
     @app.get("/v1/ring/events")
     async def ring_events(request: Request) -> Response:
         """Server-sent events for the page: ``ring`` (the /v1/ring snapshot, at once and
         every few seconds), ``tree`` (the token tree's events, batched a few times a second)
-        and ``gen`` (a finished generation's record). At most ``MAX_VIEWERS`` at once."""
-        if live.subscribers >= live.MAX_VIEWERS:
+        and ``gen`` (a finished generation's record). At most ``MAX_VIEWERS`` at once: the
+        place is taken here, before the stream starts, so a burst of pages cannot pass."""
+        ticket = live.reserve()
+        if ticket is None:
             return _error(503, f"{live.MAX_VIEWERS} pages already follow the live view; close "
                           "one", "server_error", code="too_many_viewers")
-        return StreamingResponse(live_events(request, live, inflight, _ring_json),
+        return StreamingResponse(live_events(request, live, inflight, _ring_json, ticket),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
     gens = Completions(ring, model_name, gate=gate, inflight=inflight, live=live, count=count,
-                       max_queue=max_queue, max_body=max_body, known_names=known_names)
+                       max_queue=max_queue, max_body=max_body, known_names=known_names,
+                       metrics=metrics)
     app.post("/v1/completions")(gens.completions)
     app.post("/v1/chat/completions")(gens.chat_completions)
     return app
 
 
+def _url_host(host: str) -> str:
+    if host in ("0.0.0.0", "", "::"):
+        return socket.gethostname()
+    return f"[{host}]" if ":" in host else host
+
+
+def ready_lines(ring: Ring, model_name: str, url: str, api_key: str | None) -> list[str]:
+    """What `serve` prints once it listens: the model, the ring, and where to go."""
+    try:
+        view = ring.describe(probe=False)
+        stages = view.get("stages") or []
+    except Exception:
+        stages = []
+    nodes = sorted({str(s.get("node")) for s in stages if s.get("node")})
+    where = ("local node processes" if getattr(ring, "local_nodes", None) is not None
+             else ", ".join(nodes) or "this process")
+    plan = " ".join(f"{a}:{b}" for a, b in (s.get("layers", (0, 0)) for s in stages))
+    lines = [f"edgespec serve: model {model_name} ({ring.model_name}.gguf)",
+             f"  ring: {len(stages)} stage(s) [{plan}] on {where}; {_parallel(ring)} slot(s)",
+             f"  page: {url}/   API: {url}/v1   health: {url}/health   metrics: {url}/metrics"]
+    if api_key:
+        lines.append("  every endpoint needs the API key (Authorization: Bearer <key>)")
+    return lines
+
+
+def server_config(app: FastAPI, host: str, port: int, *, read_timeout: float = READ_TIMEOUT_S,
+                  log_level: str = "info") -> Any:
+    """uvicorn's settings for ``app`` (made by ``create_app``): the listener's deadlines and
+    caps (``listener``), idle keep-alive connections closed after 5 s, open connections
+    capped (beyond: 503) above what the reading cap, the slots, the queue and the page's
+    viewers use, and a shutdown that waits at most 5 s for responses still being written."""
+    import uvicorn
+
+    guard = ReadGuard(read_timeout=read_timeout)
+    app.state.read_guard = guard
+    gate = app.state.gate
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                          http=guarded_protocol(guard), timeout_keep_alive=5,
+                          timeout_graceful_shutdown=5,
+                          limit_concurrency=MAX_READING + 2 * (gate.max_queue + gate.parallel)
+                          + 2 * _Live.MAX_VIEWERS + 32)
+
+
 def serve(ring: Ring, model_name: str, host: str = "127.0.0.1", port: int = 8080,
-          max_queue: int = 16, aliases: Sequence[str] = (), api_key: str | None = None
-          ) -> None:
+          max_queue: int = 16, aliases: Sequence[str] = (), api_key: str | None = None,
+          allow_hosts: Sequence[str] = (), read_timeout: float = READ_TIMEOUT_S,
+          on_ready: Callable[[str], None] | None = None) -> None:
     """Run the server until SIGINT or SIGTERM, then return (so the caller closes the ring).
 
     A signal first stops every generation at its next step, so in-flight answers end at
-    once (streams with ``finish_reason: "stop"``) instead of holding the shutdown until they
-    complete; uvicorn's graceful shutdown is bounded as a backstop."""
+    once (each says it was cut off: streams with an error event, others 503) instead of
+    holding the shutdown until they complete; uvicorn's graceful shutdown is bounded as a
+    backstop. ``on_ready(url)`` is called once the server listens."""
     import uvicorn
 
-    app = create_app(ring, model_name, max_queue, aliases=aliases, api_key=api_key)
+    app = create_app(ring, model_name, max_queue, aliases=aliases, api_key=api_key,
+                     hosts=allowed_hosts(host, allow_hosts))
     if not api_key and host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("serving on %s without --api-key: anyone who can reach this port can use "
                     "the ring", host)
@@ -246,6 +363,17 @@ def serve(ring: Ring, model_name: str, host: str = "127.0.0.1", port: int = 8080
         def handle_exit(self, sig: int, frame: Any) -> None:
             app.state.shutdown()
             super().handle_exit(sig, frame)
+
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            if self.should_exit or not self.servers:
+                return
+            bound = self.servers[0].sockets[0].getsockname()[1]
+            url = f"http://{_url_host(host)}:{bound}"
+            for line in ready_lines(ring, model_name, url, api_key):
+                print(line, flush=True)
+            if on_ready is not None:
+                on_ready(url)
 
     # uvicorn shuts down gracefully on these signals and then re-raises the signal into the
     # handler that was installed before it. With the defaults that is KeyboardInterrupt (a
@@ -257,13 +385,7 @@ def serve(ring: Ring, model_name: str, host: str = "127.0.0.1", port: int = 8080
         for sig in (signal.SIGINT, signal.SIGTERM):
             saved[sig] = signal.signal(sig, lambda *_: None)
     try:
-        # Deadlines and caps for the listener: idle keep-alive connections close after 5 s,
-        # open connections are capped (beyond: 503), and a shutdown waits at most 5 s for
-        # responses still being written.
-        config = uvicorn.Config(app, host=host, port=port, log_level="info",
-                                timeout_keep_alive=5, timeout_graceful_shutdown=5,
-                                limit_concurrency=max(64, 2 * (max_queue + _parallel(ring)) + 32))
-        _Server(config).run()
+        _Server(server_config(app, host, port, read_timeout=read_timeout)).run()
     finally:
         app.state.shutdown()
         # The generation threads stop at their next step; let them leave the ring before the

@@ -39,6 +39,8 @@ class _Live:
         self._events: collections.deque[tuple[int, dict]] = collections.deque(maxlen=4096)
         self._seq = 0
         self._subscribers = 0
+        self._reserved: dict[int, float] = {}  # viewer places taken, stream not yet started
+        self._next_ticket = 0
         self.history: collections.deque[dict] = collections.deque(maxlen=500)
         self._snap: dict | None = None
         self._snap_at = 0.0
@@ -52,8 +54,32 @@ class _Live:
             self._seq += 1
             self._events.append((self._seq, event))
 
-    def subscribe(self) -> int:
+    #: Seconds a place taken by ``reserve`` is kept for a stream that never starts.
+    RESERVE_S = 10.0
+
+    def reserve(self) -> int | None:
+        """Take a viewer's place before its stream starts (None: ``MAX_VIEWERS`` follow
+        already). Places taken and not yet used count, so a burst of pages cannot all pass
+        the check before any of them subscribes; one whose stream never starts lapses."""
         with self._lock:
+            now = time.monotonic()
+            self._reserved = {t: at for t, at in self._reserved.items()
+                              if now - at < self.RESERVE_S}
+            if self._subscribers + len(self._reserved) >= self.MAX_VIEWERS:
+                return None
+            self._next_ticket += 1
+            self._reserved[self._next_ticket] = now
+            return self._next_ticket
+
+    def invalidate(self) -> None:
+        """The ring changed on purpose: the next snapshot probes anew."""
+        with self._snap_lock:
+            self._snap_at = 0.0
+
+    def subscribe(self, ticket: int | None = None) -> int:
+        with self._lock:
+            if ticket is not None:
+                self._reserved.pop(ticket, None)
             self._subscribers += 1
             if self._subscribers == 1:
                 self.ring.add_listener(self._on_event)
@@ -119,7 +145,7 @@ class _Live:
             try:
                 snap = self.ring.describe()
             except Exception as exc:  # the page must show a broken ring, not fail with it
-                snap = {"status": "down", "message": f"{type(exc).__name__}: {exc}",
+                snap = {"status": "down", "message": f"the ring cannot be reached: {exc}",
                         "hint": "restart `edgespec serve` (or `edgespec ring up`)",
                         "stages": [], "model": self.ring.model_name}
             for st in snap.get("stages", []):
@@ -144,13 +170,14 @@ class _Live:
 #: for the key and keeps it in a same-site cookie, which the page's requests then carry.
 
 async def live_events(request: Request, live: _Live, inflight: _Inflight,
-                      ring_json: Callable[[], dict[str, Any]]) -> AsyncIterator[bytes]:
+                      ring_json: Callable[[], dict[str, Any]], ticket: int | None = None,
+                      ) -> AsyncIterator[bytes]:
     """The page's server-sent events (``GET /v1/ring/events``): ``ring`` snapshots, batched
     ``tree`` events and ``gen`` records, until the client leaves or the server stops."""
     def sse(event: str, payload: Any) -> bytes:
         return f"event: {event}\ndata: {json.dumps(payload)}\n\n".encode()
 
-    seq = live.subscribe()
+    seq = live.subscribe(ticket)
     try:
         yield sse("ring", await asyncio.to_thread(ring_json))
         next_ring = time.monotonic() + live.SNAPSHOT_S

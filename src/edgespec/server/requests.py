@@ -144,3 +144,25 @@ def _sampling_args(req: _Sampling | dict[str, Any]) -> dict[str, Any]:
         "stop": [stop] if isinstance(stop, str) else list(stop),
         "ignore_eos": bool(req.ignore_eos),
     }
+
+
+class _Rebalance(BaseModel):
+    """``POST /v1/ring/rebalance``: more nodes to take in, and whether to profile them."""
+
+    model_config = ConfigDict(extra="forbid")
+    nodes: list[Annotated[str, Field(strict=True, pattern=r"^[^\s:]+:\d{1,5}$")]] = []
+    profile: Annotated[bool, Field(strict=True)] = True
+
+
+def parse_rebalance(body: bytes) -> _Rebalance:
+    """The rebalance request (an empty body: the defaults); ``_BadRequest`` naming the field."""
+    try:
+        return _Rebalance.model_validate_json(body or b"{}")
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        param = str(first["loc"][0]) if first["loc"] else None
+        if first["type"] == "extra_forbidden":
+            raise _BadRequest(f"unknown field {param!r}: give 'nodes' (host:port list) "
+                              "and/or 'profile'", param) from None
+        raise _BadRequest(f"'{param}': {first['msg']}" if param else
+                          "request body must be a JSON object", param) from None

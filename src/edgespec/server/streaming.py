@@ -18,6 +18,7 @@ from fastapi.responses import StreamingResponse
 from edgespec import errors
 from edgespec.api import Generation, Ring, TextStream
 from edgespec.server.gate import _Gate, _Inflight
+from edgespec.server.health import Metrics
 from edgespec.server.live import _Live
 from edgespec.server.replies import _error, _failure, _failure_message
 from edgespec.server.requests import (
@@ -43,8 +44,9 @@ class Completions:
 
     def __init__(self, ring: Ring, model_name: str, *, gate: _Gate, inflight: _Inflight,
                  live: _Live, count: Callable[[str], None], max_queue: int, max_body: int,
-                 known_names: set[str]) -> None:
+                 known_names: set[str], metrics: Metrics | None = None) -> None:
         self.ring, self.model_name = ring, model_name
+        self.metrics = metrics
         self.gate, self.inflight, self.live, self.count = gate, inflight, live, count
         self.max_queue, self.max_body = max_queue, max_body
         self.known_names = known_names
@@ -147,13 +149,20 @@ class Completions:
                 gen = stream.result
                 if gen is not None:
                     self._record(gen, ttft, kind)
-                # Abandoned: the client hung up and the generation stopped short for it.
-                left = cancel.is_set() and gen is not None and gen.stats.tokens < max_tokens
+                # Abandoned: the client hung up (or the server is stopping) and the
+                # generation stopped short for it.
+                left = gen is not None and gen.finish_reason == "cancelled"
                 self.count("abandoned" if left else "completed")
+                if self.metrics is not None and gen is not None:
+                    self.metrics.requests.labels(kind, "abandoned" if left else
+                                                 "completed").inc()
+                    self.metrics.finished(kind, gen, ttft)
                 put(gen)
             except Exception as exc:  # reported to the client (error body or SSE event)
                 if not isinstance(exc, errors.RequestError):
                     log.warning("request failed: %s: %s", type(exc).__name__, exc)
+                if self.metrics is not None:
+                    self.metrics.requests.labels(kind, "failed").inc()
                 put(exc)
             finally:
                 self.inflight.discard(cancel)
@@ -179,15 +188,18 @@ class Completions:
         # A request gets one slot's share of the context (all of it with one slot).
         n_ctx = int(getattr(self.ring, "slot_ctx", self.ring.n_ctx))
         room = n_ctx - len(tokens)
-        if args["max_tokens"] is None:
-            args["max_tokens"] = room if chat else min(COMPLETIONS_DEFAULT_MAX_TOKENS, room)
-        if room < 1 or args["max_tokens"] > room:
+        if room < 1:
             raise _BadRequest(
                 f"this model's context is {n_ctx} tokens"
                 + (f" per request ({self.ring.n_ctx} shared by {self.gate.parallel} slots)"
-                   if n_ctx != self.ring.n_ctx else "") + f"; the prompt has {len(tokens)} "
-                f"and max_tokens asks for {args['max_tokens']} more",
-                "messages" if chat else "prompt", code="context_length_exceeded")
+                   if n_ctx != self.ring.n_ctx else "") + f"; the prompt has {len(tokens)}, "
+                "which leaves no room for an answer", "messages" if chat else "prompt",
+                code="context_length_exceeded")
+        if args["max_tokens"] is None:
+            args["max_tokens"] = room if chat else min(COMPLETIONS_DEFAULT_MAX_TOKENS, room)
+        # A max_tokens beyond the context left is capped to it, as llama-server, the CLI and
+        # Python do: the answer then ends with finish_reason "length" where the context ends.
+        args["max_tokens"] = min(args["max_tokens"], room)
         return req, args, tokens
 
     async def _run(self, request: Request, chat: bool) -> Any:
@@ -203,6 +215,8 @@ class Completions:
         if ticket is None:
             self.inflight.discard(cancel)
             self.count("rejected")
+            if self.metrics is not None:
+                self.metrics.requests.labels("chat" if chat else "completion", "rejected").inc()
             # Retry-After: OpenAI clients wait this long before their automatic retries.
             return _error(429, f"server busy: {self.max_queue} requests already queued; retry later",
                           "rate_limit_exceeded", code="rate_limit_exceeded",
@@ -251,6 +265,12 @@ class Completions:
             return _error(status, _failure_message(failure), kind, code=code, param=param)
         if gen is None:
             return _error(503, "the request was cancelled", "server_error", code="cancelled")
+        if gen.finish_reason == "cancelled":
+            # Only a shutdown cuts an answer that still has a listener: say so, so the client
+            # does not take the text so far for the whole answer.
+            return _error(503, f"the server is shutting down: the answer was cut off after "
+                          f"{gen.stats.tokens} token(s); retry", "server_error",
+                          code="shutting_down")
         if chat:
             choice = {"index": 0, "finish_reason": gen.finish_reason,
                       "message": {"role": "assistant", "content": gen.text}}
@@ -295,6 +315,14 @@ class Completions:
                                            "param": param, "code": code}})
                     continue
                 if isinstance(item, Generation):
+                    if item.finish_reason == "cancelled":
+                        # Cut off by a shutdown: an error event and no [DONE], so the client
+                        # knows the text it has is not the whole answer.
+                        yield event({"error": {
+                            "message": f"the server is shutting down: the answer was cut off "
+                                       f"after {item.stats.tokens} token(s)",
+                            "type": "server_error", "param": None, "code": "shutting_down"}})
+                        return
                     yield chunk(None, item.finish_reason)
                     if include_usage:
                         yield event({"id": rid, "object": obj, "created": created,

@@ -71,6 +71,8 @@ class HeadIdentity(_Model):
     host: StrictStr
     what: StrictStr
     since: StrictFloat
+    #: Where a serving head answers (`edgespec serve`): `ring rebalance` goes through it.
+    url: StrictStr | None = None
 
 
 # ----------------------------------------------------------------------------- requests
