@@ -393,7 +393,7 @@ def test_errors_have_openais_shape(server):
     client = server.client(max_retries=0)
     model = MODEL
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=model, prompt="x " * 4000, max_tokens=200)
+        client.completions.create(model=model, prompt="x " * 5000, max_tokens=200)
     assert e.value.code == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=model, messages=[{"role": "user",
@@ -679,10 +679,13 @@ def test_overload_bounded_queue_429_and_clean_shutdown(tmp_path):
     assert srv.stop() == 0, srv.log()
     events = [line[6:] for line in in_flight.read().decode().splitlines()
               if line.startswith("data: ")]
-    assert events[-1] == "[DONE]"
+    # Cut off, and saying so: the usage so far, then an error event, never [DONE] or a
+    # finish_reason that would pass for the whole answer.
+    assert "[DONE]" not in events
+    assert json.loads(events[-1])["error"]["code"] == "shutting_down"
     usage = json.loads(events[-2])["usage"]
     assert 0 < usage["completion_tokens"] < 3000
-    assert json.loads(events[-3])["choices"][0]["finish_reason"] == "stop"
+    assert all(json.loads(e)["choices"][0]["finish_reason"] is None for e in events[:-2])
     deadline = time.monotonic() + 30
     while any(alive(p) for p in nodes) and time.monotonic() < deadline:
         time.sleep(0.2)

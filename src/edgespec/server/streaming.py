@@ -316,8 +316,12 @@ class Completions:
                     continue
                 if isinstance(item, Generation):
                     if item.finish_reason == "cancelled":
-                        # Cut off by a shutdown: an error event and no [DONE], so the client
-                        # knows the text it has is not the whole answer.
+                        # Cut off by a shutdown: the usage so far, then an error event and no
+                        # [DONE], so the client knows the text it has is not the whole answer.
+                        if include_usage:
+                            yield event({"id": rid, "object": obj, "created": created,
+                                         "model": self.model_name, "choices": [],
+                                         "usage": self._usage(item)})
                         yield event({"error": {
                             "message": f"the server is shutting down: the answer was cut off "
                                        f"after {item.stats.tokens} token(s)",
