@@ -36,7 +36,7 @@ from edgespec.errors import NodeLost, RequestError, RingBusy, RingError, StageFa
 from edgespec.server.app import _model_names
 from edgespec.server.gate import _Gate
 from edgespec.server.replies import _failure, _failure_message
-from edgespec.server.requests import _BadRequest, _sampling_args, parse_request
+from edgespec.server.requests import _BadRequest, generation_params, parse_request
 
 openai = pytest.importorskip("openai")
 
@@ -141,16 +141,18 @@ def test_request_shapes_are_validated(body, chat, param):
 
 
 def test_valid_requests_and_defaults():
-    args = _sampling_args({"max_completion_tokens": 7, "stop": "\n", "seed": -1})
-    assert args == {"max_tokens": 7, "temperature": 1.0, "top_p": 1.0, "top_k": 0,
-                    "seed": (1 << 64) - 1, "stop": ["\n"], "ignore_eos": False}
-    assert _sampling_args({})["max_tokens"] is None  # decided per endpoint and prompt
+    from edgespec.params import GenerationParams
+
+    p = generation_params({"max_completion_tokens": 7, "stop": "\n", "seed": -1}, 16)
+    assert p == GenerationParams(max_tokens=7, temperature=1.0, top_p=1.0, top_k=0,
+                                 seed=(1 << 64) - 1, stop=("\n",), ignore_eos=False)
+    assert generation_params({}, 16).max_tokens == 16  # the endpoint's default
     # null means the default, as OpenAI treats it; integers are fine for float fields.
-    args = _sampling_args({"temperature": None, "top_p": 1, "top_k": 40, "n": 1,
-                           "stop": ["a", "b"], "user": "ignored", "max_tokens": 3})
-    assert args == {"max_tokens": 3, "temperature": 1.0, "top_p": 1.0, "top_k": 40,
-                    "seed": 0, "stop": ["a", "b"], "ignore_eos": False}
-    assert _sampling_args({"ignore_eos": True})["ignore_eos"] is True
+    p = generation_params({"temperature": None, "top_p": 1, "top_k": 40, "n": 1,
+                           "stop": ["a", "b"], "user": "ignored", "max_tokens": 3}, 16)
+    assert p == GenerationParams(max_tokens=3, temperature=1.0, top_p=1.0, top_k=40, seed=0,
+                                 stop=("a", "b"))
+    assert generation_params({"ignore_eos": True}, 16).ignore_eos is True
     req = parse_request(b'{"messages": [{"role": "system", "content": "s"}, {"role": "user", '
                         b'"content": [{"type": "text", "text": "a"}, {"type": "text", '
                         b'"text": "b"}]}], "stream": true, '

@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from edgespec.batch import Sampling
 from edgespec.errors import RequestError, RingError, TakenOver
 from edgespec.head.chain import Chain
 from edgespec.head.engine import GenerationStats, SpecEngine
@@ -41,10 +40,23 @@ from edgespec.head.engine.cost import CostModel
 from edgespec.head.engine.gain import RingRates
 from edgespec.head.session import Session
 from edgespec.head.slots import SlotPool, slot_width
+from edgespec.params import GenerationParams
 
 log = logging.getLogger("edgespec")
 
 SpecMode = str  # "none" | "sync" | "flow" | "auto"
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request ``Ring.prepare`` checked against the ring: its prompt ids, its settings with
+    ``max_tokens`` fitted to the context (``capped``: the fitted value, when it was cut), and
+    the speculative mode it runs in."""
+
+    prompt: list[int]
+    params: GenerationParams
+    mode: str
+    capped: int | None = None
 
 
 @dataclass
@@ -269,67 +281,49 @@ class Ring:
 
     # ---------------------------------------------------------------- generation
 
-    def _check_request(self, prompt_tokens: list[int], max_tokens: int, temperature: float,
-                       top_p: float, top_k: int, seed: int, mode: str) -> tuple[Sampling, int]:
-        """Validate a request before anything reaches the ring (RequestError names the field);
-        returns the sampling settings and max_tokens capped to the context left."""
-        def number(name: str, value: Any, kind: type) -> Any:
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise RequestError(f"{name} must be a number, got {value!r}", name)
-            if kind is int and value != int(value):
-                raise RequestError(f"{name} must be an integer, got {value!r}", name)
-            return kind(value)
-
-        temperature = number("temperature", temperature, float)
-        top_p = number("top_p", top_p, float)
-        top_k = number("top_k", top_k, int)
-        seed = number("seed", seed, int)
-        max_tokens = number("max_tokens", max_tokens, int)
-        if not 0.0 <= temperature <= 100.0:
-            raise RequestError(f"temperature must be in [0, 100], got {temperature}",
-                               "temperature")
-        if not 0.0 < top_p <= 1.0:
-            raise RequestError(f"top_p must be in (0, 1], got {top_p}", "top_p")
-        if top_k < 0:
-            raise RequestError(f"top_k must be >= 0 (0 = off), got {top_k}", "top_k")
-        if max_tokens < 1:
-            raise RequestError(f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
-        if not prompt_tokens:
+    def prepare(self, prompt_tokens: Sequence[int], params: GenerationParams) -> Prepared:
+        """Check a request against this ring before anything reaches it: the prompt's ids
+        against the vocabulary, the room its slot's context leaves, the speculative mode
+        (``RequestError`` naming the field). ``max_tokens`` beyond the context left is capped
+        to it (as llama.cpp does: cap, don't fail) and the cap reported."""
+        if self.taken_over is not None:  # the nodes serve another head now, on purpose
+            raise RingError(self.taken_over)
+        prompt = [int(t) for t in prompt_tokens]
+        if not prompt:
             raise RequestError("empty prompt: give at least one token", "prompt")
         n_vocab = int(getattr(self.tokenizer, "n_vocab", 0) or 0)
-        bad = [t for t in prompt_tokens if t < 0 or (n_vocab and t >= n_vocab)]
+        bad = [t for t in prompt if t < 0 or (n_vocab and t >= n_vocab)]
         if bad:
             raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary "
                                f"0..{n_vocab - 1}", "prompt")
+        mode = params.spec or self.default_spec
         try:
             self.engine.resolve_mode(mode)
         except ValueError as e:
             raise RequestError(str(e), "spec") from None
-        room = self.slot_ctx - len(prompt_tokens)
+        room = self.slot_ctx - len(prompt)
         if room < 1:
             each = (f" ({self.slot_ctx} per slot of {self.parallel})"
                     if self.parallel > 1 else "")
-            raise RequestError(f"the prompt has {len(prompt_tokens)} tokens but the ring's "
-                               f"context is {self.n_ctx}{each}: shorten it, or bring the "
-                               f"ring up with a larger --ctx", "prompt")
-        return Sampling(temperature=temperature, top_k=top_k, top_p=top_p,
-                        seed=seed), min(max_tokens, room)
-
-    def _stream_tokens(self, prompt_tokens: list[int], *, max_tokens: int, temperature: float,
-                       top_p: float, top_k: int, seed: int, stop: Sequence[str],
-                       spec: SpecMode | None, cancel: threading.Event | None = None,
-                       ignore_eos: bool = False) -> TextStream:
-        if self.taken_over is not None:  # the nodes serve another head now, on purpose
-            raise RingError(self.taken_over)
-        mode = spec or self.default_spec
-        asked = max_tokens
-        sampling, max_tokens = self._check_request(prompt_tokens, max_tokens, temperature,
-                                                   top_p, top_k, seed, mode)
-        capped = max_tokens if max_tokens != asked else None
-        if capped is not None:
+            raise RequestError(f"the prompt has {len(prompt)} tokens but the ring's context "
+                               f"is {self.n_ctx}{each}: shorten it, or bring the ring up with "
+                               f"a larger --ctx", "prompt", code="context_length_exceeded")
+        capped = None
+        if params.max_tokens > room:
+            capped = room
             log.info("max_tokens %d capped to %d: the context (%d) has no more room after the "
-                     "prompt (%d tokens)", asked, capped, self.slot_ctx, len(prompt_tokens))
-        stops = [s for s in stop if s]
+                     "prompt (%d tokens)", params.max_tokens, room, self.slot_ctx, len(prompt))
+            params = params.replace(max_tokens=room)
+        return Prepared(prompt, params, mode, capped)
+
+    def stream_prepared(self, request: Prepared, cancel: threading.Event | None = None
+                        ) -> TextStream:
+        """Run a request ``prepare`` checked; text pieces as they are accepted. ``cancel``
+        stops it at the next step (``finish_reason`` "cancelled")."""
+        prompt_tokens, params, mode, capped = (request.prompt, request.params, request.mode,
+                                               request.capped)
+        max_tokens, sampling, ignore_eos = params.max_tokens, params.sampling, params.ignore_eos
+        stops = list(params.stop)
         holdback = max((len(s) for s in stops), default=1) - 1
         stream = TextStream(iter(()))
         this = weakref.ref(stream)  # no cycle: a stream dropped unfinished frees its slot now
@@ -396,46 +390,37 @@ class Ring:
             return self.tokenizer.encode(prompt, add_special=True, parse_special=False)
         return [int(t) for t in prompt]
 
-    def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 128,
-               temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
-               stop: Sequence[str] = (), spec: SpecMode | None = None,
-               ignore_eos: bool = False) -> TextStream:
-        """Stream the continuation of ``prompt`` (text or token ids) as text pieces.
-        ``ignore_eos``: go on past end-of-generation tokens to ``max_tokens`` (for
-        benchmarks: every answer as long as asked; the tokens are kept, their text is
-        empty)."""
-        return self._stream_tokens(self._prompt_tokens(prompt), max_tokens=max_tokens,
-                                   temperature=temperature, top_p=top_p, top_k=top_k,
-                                   seed=seed, stop=stop, spec=spec, ignore_eos=ignore_eos)
+    def stream_tokens(self, prompt_tokens: Sequence[int], params: GenerationParams | None = None,
+                      *, cancel: threading.Event | None = None, **fields: Any) -> TextStream:
+        """Stream from explicit prompt token ids (the chat CLI builds them turn by turn).
+        ``params`` (or the ``GenerationParams`` fields as keywords: ``max_tokens``,
+        ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``, ``spec``, ``ignore_eos``)."""
+        return self.stream_prepared(
+            self.prepare(prompt_tokens, GenerationParams.of(params, **fields)), cancel)
 
-    def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 128,
-                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
-                 stop: Sequence[str] = (), spec: SpecMode | None = None,
-                 ignore_eos: bool = False) -> Generation:
+    def stream(self, prompt: str | Sequence[int], params: GenerationParams | None = None, *,
+               cancel: threading.Event | None = None, **fields: Any) -> TextStream:
+        """Stream the continuation of ``prompt`` (text or token ids) as text pieces; settings
+        as ``stream_tokens``. ``ignore_eos``: go on past end-of-generation tokens to
+        ``max_tokens`` (for benchmarks: every answer as long as asked; the tokens are kept,
+        their text is empty)."""
+        return self.stream_tokens(self._prompt_tokens(prompt), params, cancel=cancel, **fields)
+
+    def generate(self, prompt: str | Sequence[int], params: GenerationParams | None = None,
+                 **fields: Any) -> Generation:
         """Generate a continuation of ``prompt``; greedy by default (``temperature=0``)."""
-        s = self.stream(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                        top_k=top_k, seed=seed, stop=stop, spec=spec, ignore_eos=ignore_eos)
-        for _ in s:
-            pass
-        assert s.result is not None
-        return s.result
+        return _drain(self.stream(prompt, params, **fields))
 
-    def stream_chat(self, messages: Sequence[Mapping[str, str]], **kwargs: Any) -> TextStream:
+    def stream_chat(self, messages: Sequence[Mapping[str, str]],
+                    params: GenerationParams | None = None, **fields: Any) -> TextStream:
         """Stream the assistant's answer to ``messages`` (rendered by the model's template)."""
         tokens = self.tokenizer.chat_tokens(messages, add_generation_prompt=True)
-        return self._stream_tokens(tokens, **_gen_defaults(kwargs))
+        return self.stream_tokens(tokens, params, **fields)
 
-    def chat(self, messages: Sequence[Mapping[str, str]], **kwargs: Any) -> Generation:
+    def chat(self, messages: Sequence[Mapping[str, str]],
+             params: GenerationParams | None = None, **fields: Any) -> Generation:
         """The assistant's answer to ``messages`` ([{"role", "content"}, ...])."""
-        s = self.stream_chat(messages, **kwargs)
-        for _ in s:
-            pass
-        assert s.result is not None
-        return s.result
-
-    def stream_tokens(self, prompt_tokens: Sequence[int], **kwargs: Any) -> TextStream:
-        """Stream from explicit prompt token ids (the chat CLI builds them turn by turn)."""
-        return self._stream_tokens(list(prompt_tokens), **_gen_defaults(kwargs))
+        return _drain(self.stream_chat(messages, params, **fields))
 
     @property
     def history(self) -> list[int]:
@@ -524,10 +509,8 @@ def _drafter_name(drafter: Any) -> str | None:
     return f"{kind} ({Path(path).name})" if path is not None else kind
 
 
-def _gen_defaults(kwargs: dict[str, Any]) -> dict[str, Any]:
-    out = {"max_tokens": 128, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0,
-           "stop": (), "spec": None, "cancel": None, "ignore_eos": False}
-    if unknown := set(kwargs) - set(out):
-        raise TypeError(f"unexpected arguments: {sorted(unknown)}")
-    out.update(kwargs)
-    return out
+def _drain(stream: TextStream) -> Generation:
+    for _ in stream:
+        pass
+    assert stream.result is not None
+    return stream.result

@@ -20,9 +20,10 @@ from __future__ import annotations
 class RequestError(ValueError):
     """The caller's request is invalid; ``param`` names the offending field when known."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+        self.code = code  # OpenAI's error code where one fits (context_length_exceeded)
 
 
 class RingError(RuntimeError):

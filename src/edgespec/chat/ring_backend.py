@@ -11,6 +11,7 @@ from typing import Any
 
 from edgespec.api import Generation, Ring
 from edgespec.chat.terminal import HELP
+from edgespec.params import GenerationParams
 
 
 class ChatSession:
@@ -95,7 +96,9 @@ class RingBackend:
                  max_tokens: int, spec: str | None) -> None:
         self.ring = ring
         self.session = ChatSession(ring, system)
-        self.kwargs = {"temperature": temperature, "max_tokens": max_tokens, "spec": spec}
+        # Checked once here: a bad value ends the command before the ring is asked anything.
+        self.params = GenerationParams(temperature=temperature, max_tokens=max_tokens,
+                                       spec=spec)
         self.max_tokens = max_tokens
 
     def banner(self) -> str:
@@ -110,7 +113,7 @@ class RingBackend:
     def answer(self, text: str, emit: Callable[[str], None], cancel: threading.Event
                ) -> Generation | None:
         prompt_tokens = self.session.turn_tokens(text)
-        stream = self.ring.stream_tokens(prompt_tokens, cancel=cancel, **self.kwargs)
+        stream = self.ring.stream_tokens(prompt_tokens, self.params, cancel=cancel)
         for piece in stream:
             emit(piece)
         gen = stream.result

@@ -20,7 +20,7 @@ def _error(status: int, message: str, err_type: str, code: str | None = None,
 def _failure(exc: BaseException) -> tuple[int, str, str | None, str | None]:
     """(status, type, code, param) for an exception raised while serving a request."""
     if isinstance(exc, errors.RequestError):
-        return 400, "invalid_request_error", None, exc.param
+        return 400, "invalid_request_error", exc.code, exc.param
     if isinstance(exc, errors.RingBusy):
         return 503, "ring_busy", "ring_busy", None
     if isinstance(exc, errors.StageFailure):

@@ -7,6 +7,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from edgespec.errors import RequestError
+from edgespec.params import GenerationParams
+
 
 class _BadRequest(Exception):
     """A client error, answered as OpenAI does (400, 404, 413)."""
@@ -129,21 +132,25 @@ def parse_request(body: bytes | dict[str, Any], chat: bool) -> _ChatRequest | _C
         raise _BadRequest(_FIELD_HELP.get(param, f"'{param}': {first['msg']}"), param) from None
 
 
-def _sampling_args(req: _Sampling | dict[str, Any]) -> dict[str, Any]:
-    """Keyword arguments for ``Ring.stream_tokens`` (``max_tokens`` None: the endpoint's
-    default, decided once the prompt's length is known)."""
+def generation_params(req: _Sampling | dict[str, Any], default_max_tokens: int
+                      ) -> GenerationParams:
+    """The request's ``GenerationParams`` (``default_max_tokens`` where it gives none; the
+    ring fits it to the context). A dict is checked as a completion request first."""
     if isinstance(req, dict):
         req = parse_request({"prompt": "x", **req}, chat=False)
-    stop = req.stop if req.stop is not None else []
-    return {
-        "max_tokens": req.max_tokens if req.max_tokens is not None else req.max_completion_tokens,
-        "temperature": 1.0 if req.temperature is None else req.temperature,
-        "top_p": 1.0 if req.top_p is None else req.top_p,
-        "top_k": 0 if req.top_k is None else req.top_k,
-        "seed": 0 if req.seed is None else req.seed % (1 << 64),
-        "stop": [stop] if isinstance(stop, str) else list(stop),
-        "ignore_eos": bool(req.ignore_eos),
-    }
+    asked = req.max_tokens if req.max_tokens is not None else req.max_completion_tokens
+    stop = req.stop if req.stop is not None else ()
+    try:
+        return GenerationParams(
+            max_tokens=default_max_tokens if asked is None else asked,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None else req.top_k,
+            seed=0 if req.seed is None else req.seed,
+            stop=(stop,) if isinstance(stop, str) else tuple(stop),
+            spec=req.spec, ignore_eos=bool(req.ignore_eos))
+    except RequestError as e:
+        raise _BadRequest(str(e), e.param) from None
 
 
 class _Rebalance(BaseModel):

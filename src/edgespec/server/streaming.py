@@ -16,7 +16,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from edgespec import errors
-from edgespec.api import Generation, Ring, TextStream
+from edgespec.api import Generation, Prepared, Ring, TextStream
 from edgespec.server.gate import _Gate, _Inflight
 from edgespec.server.health import Metrics
 from edgespec.server.live import _Live
@@ -25,7 +25,7 @@ from edgespec.server.requests import (
     _BadRequest,
     _ChatRequest,
     _CompletionRequest,
-    _sampling_args,
+    generation_params,
     parse_request,
 )
 
@@ -173,38 +173,26 @@ class Completions:
         threading.Thread(target=produce, name=f"edgespec-serve-{ticket}", daemon=True).start()
         return queue
 
-    def _prepare(self, raw: bytes, chat: bool) -> tuple[Any, dict[str, Any], list[int]]:
-        """Validation and tokenization: run in a worker thread, since a large prompt takes
-        a while to tokenize and must not hold up the event loop."""
+    def _prepare(self, raw: bytes, chat: bool) -> tuple[Any, Prepared]:
+        """Validation, tokenization and the ring's own check (``Ring.prepare``: context room,
+        mode, max_tokens fitted): run in a worker thread, since a large prompt takes a while
+        to tokenize and must not hold up the event loop."""
         req = parse_request(raw, chat)
-        args = _sampling_args(req)
-        if req.spec is not None:
-            try:  # e.g. "flow" on a ring without a drafter: the caller's choice, not a fault
-                self.ring.engine.resolve_mode(req.spec)
-            except ValueError as exc:
-                raise _BadRequest(str(exc), "spec") from None
-            args["spec"] = req.spec
         tokens = self._prompt_tokens(req)
-        # A request gets one slot's share of the context (all of it with one slot).
-        n_ctx = int(getattr(self.ring, "slot_ctx", self.ring.n_ctx))
-        room = n_ctx - len(tokens)
-        if room < 1:
-            raise _BadRequest(
-                f"this model's context is {n_ctx} tokens"
-                + (f" per request ({self.ring.n_ctx} shared by {self.gate.parallel} slots)"
-                   if n_ctx != self.ring.n_ctx else "") + f"; the prompt has {len(tokens)}, "
-                "which leaves no room for an answer", "messages" if chat else "prompt",
-                code="context_length_exceeded")
-        if args["max_tokens"] is None:
-            args["max_tokens"] = room if chat else min(COMPLETIONS_DEFAULT_MAX_TOKENS, room)
-        # A max_tokens beyond the context left is capped to it, as llama-server, the CLI and
-        # Python do: the answer then ends with finish_reason "length" where the context ends.
-        args["max_tokens"] = min(args["max_tokens"], room)
-        return req, args, tokens
+        # Chat may use the rest of the context by default (the ring fits it); legacy
+        # completions stop after 16 tokens, as OpenAI's do.
+        default = self.ring.n_ctx if chat else COMPLETIONS_DEFAULT_MAX_TOKENS
+        params = generation_params(req, default)
+        try:
+            prepared = self.ring.prepare(tokens, params)
+        except errors.RequestError as e:
+            raise _BadRequest(str(e), "messages" if e.param == "prompt" and chat else e.param,
+                              code=e.code) from None
+        return req, prepared
 
     async def _run(self, request: Request, chat: bool) -> Any:
         raw = await self._read_body(request)
-        req, args, tokens = await asyncio.to_thread(self._prepare, raw, chat)
+        req, prepared = await asyncio.to_thread(self._prepare, raw, chat)
         self._check_model(req.model)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         cancel = threading.Event()
@@ -223,8 +211,9 @@ class Completions:
                           headers={"Retry-After": "1"})
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
-        queue = self._launch(ticket, lambda: self.ring.stream_tokens(tokens, cancel=cancel, **args),
-                        cancel, args["max_tokens"], "chat" if chat else "completion")
+        queue = self._launch(ticket, lambda: self.ring.stream_prepared(prepared, cancel),
+                             cancel, prepared.params.max_tokens,
+                             "chat" if chat else "completion")
 
         if req.stream:
             return StreamingResponse(
