@@ -315,6 +315,15 @@ def test_health_tells_ok_degraded_and_down_as_nodes_die(tiny):
             # A local ring's nodes are the server's own processes: the hint says to restart
             # the server, not to start `edgespec node` and rebalance.
             assert "--local 2" in view["hint"] and "rebalance" not in view["hint"], view
+            assert "next request" not in view["hint"], view  # no node process is left
             assert "Broken pipe" not in view["message"], view
             metrics = client.get("/metrics").text
             assert 'edgespec_ring_status{status="down"} 1.0' in metrics
+
+
+def test_hosts_allowed_for_a_wildcard_bind_are_this_machines_own():
+    hosts = allowed_hosts("0.0.0.0", ["Ring.LAN"])
+    assert {"localhost", "127.0.0.1", "::1", socket.gethostname().lower(), "ring.lan"} <= hosts
+    assert "attacker.example" not in hosts and "" not in hosts
+    only = allowed_hosts("192.168.7.9")
+    assert "192.168.7.9" in only and socket.gethostname().lower() not in only

@@ -477,9 +477,11 @@ class Ring:
             view.hint = "restart this head (e.g. `edgespec serve`) to take the ring back"
         elif view.status == "down" and self.local_nodes is not None:
             # A local ring's nodes are this head's own processes: no `edgespec node` to start.
-            n = len(getattr(self.local_nodes, "procs", []) or []) or len(view.stages)
+            procs = list(getattr(self.local_nodes, "procs", []) or [])
+            n = len(procs) or len(view.stages)
+            running = any(p.poll() is None for p in procs)
             view.hint = (("the next request re-plans over the node processes still running; "
-                          "or " if self.can_recover else "")
+                          "or " if self.can_recover and running else "")
                          + f"restart this head to start its {n} node processes again "
                          f"(`edgespec serve --local {n}`, `edgespec chat --local {n}`)")
         last = self.last
