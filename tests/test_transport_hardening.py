@@ -172,6 +172,74 @@ def test_slow_unauthenticated_sockets_never_lock_out_a_member(attackers_from: st
                 t.join(5)
 
 
+def _hello(nonce: bytes) -> bytes:
+    """A genuine HELLO for KEY with ``nonce``: what crosses the LAN in the clear."""
+    from edgespec.wire.codec import encode_frame
+    from edgespec.wire.header import PROTOCOL_VERSION
+
+    meta = {"proto": PROTOCOL_VERSION, "nonce": nonce.hex(),
+            "tag": auth.hello_tag(KEY, nonce).hex(), "sealed": auth.sealing_enabled()}
+    header, chunks = encode_frame(Message(Kind.HELLO, {FieldTag.META: meta}))
+    return header.pack() + b"".join(bytes(c) for c in chunks)
+
+
+def _hold_hellos(address: tuple[str, int], hellos: list[bytes]) -> list[socket.socket]:
+    """Send each HELLO on a socket of its own, 4 per source address (127.0.0.2...), and
+    keep the sockets open without answering the CHALLENGE."""
+    held = []
+    for i, hello in enumerate(hellos):
+        s = socket.create_connection(address, timeout=5, source_address=(f"127.0.0.{2 + i // 4}", 0))
+        s.sendall(hello)
+        held.append(s)
+    return held
+
+
+def _members_get_in(srv: FrameServer, n: int, every: float) -> int:
+    got = 0
+    for i in range(n):
+        try:
+            with connect(*srv.address, KEY, node_id=f"{HEAD}-{i}", timeout=2.0) as c:
+                got += ping(c, timeout=2.0)
+        except AuthError:
+            pass
+        time.sleep(every)
+    return got
+
+
+@pytest.mark.parametrize("fresh", [False, True], ids=["one-captured-hello", "collected-hellos"])
+def test_held_open_hellos_never_lock_out_a_member(fresh: bool) -> None:
+    """20 sockets, 4 from each of 5 addresses, each sends a HELLO with a valid tag and then
+    holds still: the same captured HELLO 20 times (a LAN eavesdropper), or 20 different ones
+    (collected by a fake node advertised over mDNS). Members keep getting in."""
+    hellos = [_hello(auth.new_nonce()) for _ in range(20)] if fresh else [_hello(auth.new_nonce())] * 20
+    with make_server(handshake_timeout=5.0) as srv:
+        held = _hold_hellos(srv.address, hellos)
+        try:
+            time.sleep(1.5 if fresh else 0.5)  # the keyed ones are past their grace
+            assert _members_get_in(srv, 20, 0.25) == 20
+            if not fresh:
+                assert srv.refused >= 19  # every copy after the first: a replay
+        finally:
+            for s in held:
+                s.close()
+
+
+def test_refusals_are_logged_with_a_throttle(caplog: pytest.LogCaptureFixture) -> None:
+    with make_server() as srv, caplog.at_level(logging.WARNING, logger="edgespec.transport"):
+        for i in range(300):
+            with pytest.raises(AuthError):
+                connect(*srv.address, WRONG, node_id=f"stranger-{i}", timeout=2.0)
+        with connect(*srv.address, KEY, node_id=HEAD, timeout=2.0) as c:
+            assert ping(c)
+        deadline = time.monotonic() + 5
+        while srv.refused < 300 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert srv.refused >= 300
+    refusals = [r for r in caplog.records if "refused peer" in r.getMessage()]
+    assert 1 <= len(refusals) <= 3, [r.getMessage() for r in refusals]
+    assert "ring key mismatch" in refusals[0].getMessage()
+
+
 CHILD = textwrap.dedent(
     """
     import logging, os, resource, sys, time
@@ -316,7 +384,8 @@ def test_nested_hello_is_refused_in_one_line_and_probers_learn_nothing(caplog: p
         s.close()
         with pytest.raises(AuthError, match="ring key mismatch") as refused:
             connect(*srv.address, WRONG, node_id="intruder")
-        # A HELLO recorded from a real member, replayed: the prober gets a CHALLENGE, no more.
+        # A HELLO recorded from a real member, replayed: refused at once as a replay (the
+        # listener remembers the nonces it saw), with nothing about the node.
         relay = Relay(srv.address)
         member = connect(*relay.address, KEY, node_id=HEAD)
         assert ping(member)
@@ -328,7 +397,8 @@ def test_nested_hello_is_refused_in_one_line_and_probers_learn_nothing(caplog: p
         s.sendall(recorded[:hello_len])
         challenge = read_until_closed(s, timeout=srv.handshake_timeout + 2)
         s.close()
-        assert frames_in(challenge)[0].kind == Kind.CHALLENGE
+        (answer,) = frames_in(challenge)
+        assert answer.kind == Kind.ERROR and "replayed" in answer.meta["message"]
         for secret in secrets_:
             assert secret not in got and secret not in challenge
             assert secret.decode() not in str(refused.value)

@@ -5,8 +5,14 @@ Listener limits (``FrameServer``): the whole server side of a handshake has one 
 connections that have not yet proved the ring key have their own small cap, in total and per
 source address, apart from the cap on members, so unauthenticated sockets can never crowd a
 member out: when the cap is reached, the oldest connection that has not even shown a valid key
-tag is dropped for the newcomer. Accepting survives transient errors (out of file descriptors,
-memory, buffers) with a logged back-off and ends only when the server closes.
+tag is dropped for the newcomer, else the oldest whose tag checked more than ``KEYED_GRACE_S``
+ago and that still has not finished. HELLO's tag crosses the LAN in the clear, so a stranger
+can capture one and replay it: the listener remembers the nonces of the last
+``SEEN_NONCES`` HELLOs whose tag checked and refuses one it saw before at once, and a captured
+HELLO it has not seen (one a fake listener collected) holds a place for at most the grace.
+Accepting survives transient errors (out of file descriptors, memory, buffers) with a logged
+back-off and ends only when the server closes. Refusals a stranger can cause at will are
+logged at most once per 10 s per kind, with a count of those held back.
 
 Error policy of ``FrameServer``: a frame that cannot be parsed (bad magic/version/size) or fails
 to open (tag/sequence check) loses the stream's framing or trust, so the server answers ERROR
@@ -22,6 +28,7 @@ import logging
 import socket
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 from edgespec.wire import auth
@@ -44,6 +51,13 @@ from edgespec.wire.transport import (
 log = logging.getLogger("edgespec.transport")
 
 _ACCEPT_BACKOFF_MAX = 1.0
+#: A genuine client answers CHALLENGE within one round trip of its HELLO (milliseconds on a
+#: LAN, well under a second on a loaded Wi-Fi link); a handshake still unfinished this long
+#: after its tag checked gives its place to a newcomer when the pending caps are reached.
+KEYED_GRACE_S = 1.0
+#: HELLO nonces remembered to refuse replays: far more than handshakes a real ring makes in a
+#: handshake deadline, and only HELLOs whose tag checked go in, so strangers cannot flush it.
+SEEN_NONCES = 4096
 
 
 #: A handler gets the connection and the frame; it may return a message to send back
@@ -54,14 +68,19 @@ Handler = Callable[[Connection, Frame], "Message | None"]
 class _Pending:
     """A connection in its handshake: where from, since when, whether its HELLO showed our key."""
 
-    __slots__ = ("sock", "source", "since", "keyed", "evicted")
+    __slots__ = ("sock", "source", "since", "keyed", "keyed_at", "evicted")
 
     def __init__(self, sock: socket.socket, source: str) -> None:
         self.sock = sock
         self.source = source
         self.since = time.monotonic()
         self.keyed = False
+        self.keyed_at = 0.0
         self.evicted = False
+
+    def evictable(self, now: float) -> bool:
+        """Not even keyed, or keyed and stalled past the grace a real client needs."""
+        return not self.keyed or now - self.keyed_at > KEYED_GRACE_S
 
 
 class _Throttled:
@@ -133,6 +152,7 @@ class FrameServer:
         self._accept_thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._throttled = _Throttled()
+        self._seen: OrderedDict[bytes, None] = OrderedDict()  # recent HELLO nonces, oldest first
         self.refused = 0  # peers refused at the handshake
         self.evicted = 0  # handshakes dropped to make room under the pending caps
         self.errors = 0  # ERROR replies sent for bad frames / failed handlers
@@ -230,9 +250,13 @@ class FrameServer:
             crowd = mine if len(mine) >= self.max_pending_per_source else list(self._pending) if len(self._pending) >= self.max_pending else []
             if crowd:
                 # Make room by dropping the oldest connection that has not even shown a valid
-                # key tag; if every one has, the newcomer waits its turn (it is refused).
+                # key tag, else the oldest keyed one stalled past the grace; if every one is
+                # a keyed handshake under way, the newcomer waits its turn (it is refused).
+                now = time.monotonic()
                 idle = [p for p in crowd if not p.keyed]
-                victim = min(idle, key=lambda p: p.since) if idle else None
+                stalled = [p for p in crowd if p.keyed and p.evictable(now)]
+                pool = idle or stalled
+                victim = min(pool, key=lambda p: p.since) if pool else None
                 if victim is None:
                     self.refused += 1
                     sock.close()
@@ -256,15 +280,24 @@ class FrameServer:
                 self._threads.discard(t)
             raise
 
-    def _keyed(self, entry: _Pending) -> None:
+    def _keyed(self, entry: _Pending, nonce: bytes) -> None:
+        """A HELLO's tag checked: refuse a nonce seen before (a replayed HELLO), else
+        remember it and mark the handshake keyed."""
         with self._lock:
+            if nonce in self._seen:
+                self._seen.move_to_end(nonce)
+                raise AuthError("replayed handshake (this HELLO was seen before)")
+            self._seen[nonce] = None
+            if len(self._seen) > SEEN_NONCES:
+                self._seen.popitem(last=False)
             entry.keyed = True
+            entry.keyed_at = time.monotonic()
 
     def _serve_socket(self, entry: _Pending, addr: tuple) -> None:
         sock = entry.sock
         try:
             try:
-                conn = accept_handshake(sock, self._key, node_id=self.node_id, timeout=self.handshake_timeout, max_payload=self.max_payload, seal=self.sealed, on_keyed=lambda: self._keyed(entry))
+                conn = accept_handshake(sock, self._key, node_id=self.node_id, timeout=self.handshake_timeout, max_payload=self.max_payload, seal=self.sealed, on_keyed=lambda nonce: self._keyed(entry, nonce))
             except Exception as e:  # AuthError, or anything unforeseen: one line, no traceback
                 with self._lock:
                     self._pending.discard(entry)
@@ -274,7 +307,10 @@ class FrameServer:
                     log.debug("%s: dropped unfinished handshake of %s:%d", self.node_id, addr[0], addr[1])
                 else:
                     why = str(e) if isinstance(e, AuthError) else f"{type(e).__name__}: {e}"
-                    log.warning("%s: refused peer %s:%d: %s", self.node_id, addr[0], addr[1], why)
+                    # Throttled per kind of refusal: a stranger can cause these at will.
+                    self._throttled.warning(f"refused:{why.split(' (')[0][:40]}",
+                                            "%s: refused peer %s:%d: %s", self.node_id,
+                                            addr[0], addr[1], why)
                 sock.close()
                 return
             with self._lock:

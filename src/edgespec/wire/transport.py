@@ -532,12 +532,13 @@ def accept_handshake(
     timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
     max_payload: int = DEFAULT_MAX_PAYLOAD,
     seal: bool | None = None,
-    on_keyed: Callable[[], None] | None = None,
+    on_keyed: Callable[[bytes], None] | None = None,
 ) -> Connection:
     """Server side of the handshake on an accepted socket, all within ``timeout`` seconds.
 
     Raises AuthError on refusal, after telling the peer why in words that name nothing about
-    this node. ``on_keyed`` is called once the client's HELLO shows it holds our key.
+    this node. ``on_keyed(nonce_c)`` is called once the client's HELLO shows our key's tag; it
+    may refuse the handshake by raising AuthError.
     """
     sealed = auth.sealing_enabled() if seal is None else seal
     deadline = time.monotonic() + timeout
@@ -550,7 +551,7 @@ def accept_handshake(
         if not auth.verify_hello_tag(key, _hex_field(hello, "tag", auth.HELLO_TAG_SIZE), nonce_c):
             raise AuthError("ring key mismatch (the two ends hold different ring keys)")
         if on_keyed is not None:
-            on_keyed()
+            on_keyed(nonce_c)  # may refuse it (AuthError): e.g. a HELLO seen before
         theirs = hello.get("sealed")
         if theirs is not sealed:
             raise AuthError(f"sealing mismatch: peer {_sealing_word(bool(theirs))}, this node {_sealing_word(sealed)}; set it alike on every member")
