@@ -19,18 +19,90 @@ _STAMP_SUFFIXES = (".verified", ".sha256")  # models.py writes .verified; we cac
 
 
 def free_ram_bytes() -> int:
-    """Memory available for new allocations (Linux MemAvailable; sysconf elsewhere)."""
+    """Memory this process may still take: the smaller of what the machine has available
+    (Linux MemAvailable; sysconf elsewhere) and the room its cgroup's memory limit leaves
+    (a container's ``--memory``, a systemd ``MemoryMax``: ``cgroup_room``). On unified-memory
+    devices (Jetson) the GPU shares this pool, so it is counted here once and not again as
+    VRAM (``free_vram_bytes`` says None there)."""
+    machine = 0
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    machine = int(line.split()[1]) * 1024
+                    break
     except OSError:
         pass
+    if not machine:
+        try:
+            machine = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            machine = 0
+    room = cgroup_room()
+    return machine if room is None else min(machine, room) if machine else room
+
+
+#: A cgroup v1 limit at or above this means "no limit" (the kernel's unlimited value is
+#: 2**63 rounded down to a page).
+_NO_LIMIT = 1 << 62
+
+
+def _read_int(path: Path) -> int | None:
     try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 0
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return None if text in ("", "max") else int(text) if text.isdigit() else None
+
+
+def _stat_field(path: Path, name: str) -> int:
+    try:
+        for line in path.read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == name and value.strip().isdigit():
+                return int(value)
+    except OSError:
+        pass
+    return 0
+
+
+def cgroup_room(proc_cgroup: str | Path = "/proc/self/cgroup",
+                fs_root: str | Path = "/sys/fs/cgroup") -> int | None:
+    """The room this process's memory cgroups leave: over its cgroup and every ancestor with a
+    limit, the smallest limit minus the memory in use (page cache the kernel would reclaim,
+    the inactive file pages, is not counted as used). cgroup v2 (``memory.max``,
+    ``memory.current``) and v1 (``memory.limit_in_bytes``, ``memory.usage_in_bytes``). None
+    when no limit applies or cgroups cannot be read."""
+    fs_root = Path(fs_root)
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        return None
+    rooms: list[int] = []
+    for line in lines:
+        hid, _, rest = line.partition(":")
+        controllers, _, rel = rest.partition(":")
+        if hid == "0" and controllers == "":  # v2: one hierarchy, files in every cgroup
+            base, limit_f, usage_f, inactive = fs_root, "memory.max", "memory.current", \
+                "inactive_file"
+        elif "memory" in controllers.split(","):  # v1: the memory controller's hierarchy
+            base, limit_f, usage_f, inactive = fs_root / "memory", "memory.limit_in_bytes", \
+                "memory.usage_in_bytes", "total_inactive_file"
+        else:
+            continue
+        here = base / rel.lstrip("/")
+        if not here.is_dir():  # in a container the namespace's own cgroup is the mount's root
+            here = base
+        while True:
+            limit = _read_int(here / limit_f)
+            if limit is not None and limit < _NO_LIMIT:
+                used = _read_int(here / usage_f) or 0
+                used -= min(used, _stat_field(here / "memory.stat", inactive))
+                rooms.append(max(0, limit - used))
+            if here == base or base not in here.parents:
+                break
+            here = here.parent
+    return min(rooms) if rooms else None
 
 
 def free_vram_bytes() -> int | None:
