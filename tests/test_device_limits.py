@@ -1,6 +1,12 @@
-"""Free memory as a device has it: the smaller of what the machine has available and the room
-its memory cgroup leaves (a container's --memory, a systemd MemoryMax), for cgroup v1 and v2,
-nested limits included; checked on fake cgroup trees and in a real cgroup made here."""
+"""Devices as people own them, held by cgroups as containers and service managers hold them:
+
+- free memory is the smaller of what the machine has available and the room the memory cgroup
+  leaves (a container's --memory, a systemd MemoryMax), for cgroup v1 and v2, nested limits
+  included: on fake cgroup trees and in a real cgroup made here;
+- a device held to 25% of a core by a CFS quota is profiled as that slow (the profile measures
+  sustained speed, not a burst that fits in one quota period), and the planner gives it
+  proportionally fewer layers.
+"""
 
 from __future__ import annotations
 
@@ -101,3 +107,66 @@ def test_a_real_cgroup_limit_is_what_a_node_reports():
     inside = int(out.strip())
     assert 0 < inside <= 300 * MiB, inside
     assert free_ram_bytes() > 300 * MiB  # outside it: the machine's figure
+
+
+def _cpu_cgroup(quota_us: int, period_us: int = 100_000) -> Path:
+    """A real CPU cgroup with a CFS quota (v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us``)."""
+    name = f"edgespec-test-{uuid.uuid4().hex[:8]}"
+    v2 = Path("/sys/fs/cgroup")
+    try:
+        if (v2 / "cgroup.controllers").exists() and "cpu" in (v2 / "cgroup.controllers").read_text().split():
+            where = v2 / name
+            where.mkdir()
+            (where / "cpu.max").write_text(f"{quota_us} {period_us}")
+        elif Path("/sys/fs/cgroup/cpu").is_dir():
+            where = Path("/sys/fs/cgroup/cpu") / name
+            where.mkdir()
+            (where / "cpu.cfs_period_us").write_text(str(period_us))
+            (where / "cpu.cfs_quota_us").write_text(str(quota_us))
+        else:
+            pytest.skip("no cpu cgroup hierarchy on this machine")
+    except OSError as e:
+        pytest.skip(f"cannot create a cpu cgroup here ({e}): needs root and a writable "
+                    "cgroup hierarchy")
+    return where
+
+
+PROFILE = """
+import json, os, sys
+if sys.argv[2]:
+    open(sys.argv[2] + "/cgroup.procs", "w").write(str(os.getpid()))
+from edgespec.node.profiling import profile_layers
+print(json.dumps(profile_layers(sys.argv[1], cache_dir=sys.argv[3], n_threads=1,
+                                batch_sizes=(1, 4))["ms_per_layer"]))
+"""
+
+
+def test_a_device_at_a_quarter_of_a_core_is_profiled_and_planned_as_one(tmp_path):
+    import json
+
+    from tinygguf import make_tiny_gguf
+
+    from edgespec.head.planner import NodeProfile, plan_ring
+
+    model = make_tiny_gguf(tmp_path / "m.gguf", "qwen2", n_layer=4, n_embd=256, seed=2)
+    where = _cpu_cgroup(25_000)
+    env = dict(os.environ, OMP_WAIT_POLICY="passive")
+
+    def profile(cgroup: str) -> dict[str, float]:
+        out = subprocess.run([sys.executable, "-c", PROFILE, str(model), cgroup, str(tmp_path)],
+                             capture_output=True, text=True, timeout=120, env=env)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    try:
+        free, held = profile(""), profile(str(where))
+    finally:
+        with contextlib.suppress(OSError):
+            os.rmdir(where)
+    ratio = held["1"] / free["1"]
+    assert ratio > 2.5, (free, held)  # 4x at 25% of a core; a burst-sized profile saw ~1x
+    nodes = [NodeProfile(f"n{i}", f"n{i}", "127.0.0.1", 7000 + i,
+                         ms_per_layer={int(b): v for b, v in p.items()})
+             for i, p in enumerate((free, held))]
+    counts = [w.n_layers for w in plan_ring(24, 1, nodes).windows]
+    assert counts[1] <= round(24 / (1 + ratio)) + 1 and counts[0] > 2 * counts[1], counts
