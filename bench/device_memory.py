@@ -1,0 +1,92 @@
+"""What a device holds for its window: peak resident memory (anonymous + file-mapped) and load
+time of each window of an N-way split, with the model file mapped and read, side by side.
+
+    .venv/bin/python -m bench.device_memory --model qwen2.5-coder-1.5b --stages 3
+
+Each (window, mapping) is loaded in a fresh process, as a node loads it (``StageRuntime``: the
+shard a local ring cuts, ``n_ctx`` KV cells, one thread), then decodes one 16-row batch (so
+lazily touched pages are in), and reports its peak: ``VmHWM`` (resident, anonymous and file
+pages together) and, at the end, ``RssAnon`` and ``RssFile``. The order of the two mappings
+alternates per window. The unsplit model is measured the same way for reference.
+
+Output: JSON on stdout and in ``<out>/device_memory.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from bench.ring_bench import machine_info
+
+CHILD = r"""
+import json, os, sys, time
+os.environ["EDGESPEC_MMAP"] = sys.argv[2]
+import numpy as np
+from edgespec.node.runtime import StageRuntime
+t0 = time.perf_counter()
+rt = StageRuntime(sys.argv[1], n_ctx=int(sys.argv[3]), n_seq_max=1, n_threads=1)
+load_s = time.perf_counter() - t0
+rows = 16
+if rt.is_first:
+    x = np.arange(rows, dtype=np.int32) + 100
+else:
+    x = np.random.default_rng(0).standard_normal((rows, rt.n_embd)).astype(np.float32)
+rt.forward(x, np.arange(rows, dtype=np.int32), [[0]] * rows)
+status = dict(line.split(":", 1) for line in open("/proc/self/status") if ":" in line)
+kib = lambda k: int(status[k].split()[0]) // 1024
+print(json.dumps({"load_s": round(load_s, 3), "peak_mib": kib("VmHWM"),
+                  "anon_mib": kib("RssAnon"), "file_mib": kib("RssFile")}))
+rt.close()
+"""
+
+
+def measure(path: Path, mmap: bool, n_ctx: int) -> dict[str, Any]:
+    env = dict(os.environ, OMP_WAIT_POLICY="passive")
+    out = subprocess.run([sys.executable, "-c", CHILD, str(path), "1" if mmap else "0",
+                          str(n_ctx)], capture_output=True, text=True, env=env, timeout=600)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-2000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--stages", type=int, default=3)
+    ap.add_argument("--ctx", type=int, default=4096, help="KV cells per window")
+    ap.add_argument("--out", default="bench/results")
+    args = ap.parse_args()
+
+    from bench.projection import stage_shard
+    from edgespec.llm import models
+    from edgespec.llm.gguf_read import read_info
+    from edgespec.llm.llamacpp import extra_bufts_default
+    from edgespec.llm.shards import even_ranges
+
+    model = models.ensure(args.model)
+    info = read_info(model)
+    windows = [(a, b) for a, b in even_ranges(info.n_layer, args.stages)]
+    rows = []
+    for i, (a, b) in enumerate([(0, info.n_layer), *windows]):
+        path = model if (a, b) == (0, info.n_layer) else stage_shard(model, a, b)
+        row: dict[str, Any] = {"window": f"{a}:{b}", "file_mib": path.stat().st_size >> 20}
+        for mmap in ((True, False) if i % 2 == 0 else (False, True)):
+            row["mmap" if mmap else "read"] = measure(path, mmap, args.ctx)
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr)
+    result = {"benchmark": "device_memory", "model": model.name, "stages": args.stages,
+              "n_ctx": args.ctx, "repacked_weights": extra_bufts_default(),
+              "machine": machine_info(), "windows": rows}
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "device_memory.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
