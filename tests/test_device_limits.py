@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -170,3 +171,37 @@ def test_a_device_at_a_quarter_of_a_core_is_profiled_and_planned_as_one(tmp_path
              for i, p in enumerate((free, held))]
     counts = [w.n_layers for w in plan_ring(24, 1, nodes).windows]
     assert counts[1] <= round(24 / (1 + ratio)) + 1 and counts[0] > 2 * counts[1], counts
+
+
+LOAD = """
+import json, sys
+from edgespec.node.runtime import StageRuntime
+rt = StageRuntime(sys.argv[1], n_ctx=512, n_seq_max=1, n_threads=1)
+st = dict(line.split(":", 1) for line in open("/proc/self/status") if ":" in line)
+print(json.dumps({k: int(st[k].split()[0]) << 10 for k in ("RssAnon", "RssFile")}))
+"""
+
+
+@pytest.mark.real_model
+def test_a_window_is_resident_once(real_model_path, tmp_path):
+    """Where CPU weights are repacked, the node reads its window: the file's pages do not
+    stay mapped beside the copies."""
+    from edgespec.llm.llamacpp import extra_bufts_default, mmap_default
+    from edgespec.llm.shards import cut_window
+
+    if mmap_default(extra_bufts_default()):
+        pytest.skip("weights are used in place on this CPU (no repacking): the file is mapped")
+    shard = cut_window(real_model_path, (8, 16), tmp_path / "w.gguf")
+    def load(**extra: str) -> dict[str, int]:
+        env = {k: v for k, v in os.environ.items() if k != "EDGESPEC_MMAP"}
+        out = subprocess.run([sys.executable, "-c", LOAD, str(shard)], capture_output=True,
+                             text=True, timeout=120, env={**env, **extra}, check=True).stdout
+        return json.loads(out)
+
+    read, mapped = load(), load(EDGESPEC_MMAP="1")
+    size = shard.stat().st_size
+    # Mapped, the weights' file pages stay resident beside llama.cpp's copies; read, only the
+    # copies are: the file pages resident are the libraries' alone.
+    assert mapped["RssFile"] - read["RssFile"] > 0.8 * size, (read, mapped, size)
+    # And never more in all (for repacked types, far less: bench/device_memory.py).
+    assert read["RssAnon"] + read["RssFile"] <= 1.05 * (mapped["RssAnon"] + mapped["RssFile"])
