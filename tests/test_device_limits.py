@@ -205,3 +205,56 @@ def test_a_window_is_resident_once(real_model_path, tmp_path):
     assert mapped["RssFile"] - read["RssFile"] > 0.8 * size, (read, mapped, size)
     # And never more in all (for repacked types, far less: bench/device_memory.py).
     assert read["RssAnon"] + read["RssFile"] <= 1.05 * (mapped["RssAnon"] + mapped["RssFile"])
+
+
+# ------------------------------------------------------------------------ ring order
+
+def test_ring_order_keeps_slow_links_out_of_the_lap():
+    from edgespec.head.planner import ring_order
+
+    # Two sites 10 ms apart (a house and its garage over a Wi-Fi bridge): the head and node
+    # 1 in the house, nodes 0 and 2 in the garage, found in the order 0, 1, 2. That lap
+    # crosses the bridge four times (head -> 0 -> 1 -> 2 -> head); 1, 0, 2 or 1, 2, 0
+    # crosses it twice.
+    head = [10.0, 0.4, 10.0]
+    pair = [[0.0, 10.0, 0.5], [10.0, 0.0, 10.0], [0.5, 10.0, 0.0]]
+    order, ms, before = ring_order(head, pair)
+    assert order[0] == 1 or order[-1] == 1, order
+    assert abs(order.index(0) - order.index(2)) == 1, order
+    assert ms < before - 9, (ms, before)
+    # Equal links within noise: the order found stays (plans do not flap).
+    even = [[0.0, 0.52, 0.49], [0.5, 0.0, 0.51], [0.48, 0.5, 0.0]]
+    assert ring_order([0.5, 0.45, 0.55], even)[0] == [0, 1, 2]
+    # A link a node could not reach is avoided while another order exists.
+    cut = [[0.0, None, 1.0], [None, 0.0, 1.0], [1.0, 1.0, 0.0]]
+    order, _, _ = ring_order([1.0, 1.0, 1.0], cut)
+    assert order[1] == 2, order  # 0 and 1 never adjacent inside the ring
+    # Two nodes: either way round costs the same.
+    assert ring_order([1.0, 9.0], [[0.0, 3.0], [3.0, 0.0]])[0] == [0, 1]
+
+
+def test_nodes_measure_round_trips_to_each_other(tmp_path):
+    from test_node import NodeProc
+
+    from edgespec.head.formation import _order_by_latency
+    from edgespec.head.remote import connect_members
+    from edgespec.wire import auth
+
+    key_file = auth.write_key(tmp_path / "ring.key")
+    nodes = [NodeProc(f"r{i}", key_file, tmp_path) for i in range(3)]
+    members = []
+    try:
+        members = connect_members([n.address for n in nodes], auth.load_key(key_file),
+                                  "head", None)
+        rtts = members[0].ask("probe_rtt", timeout=30, addresses=[
+            list(nodes[1].address), list(nodes[2].address), ["127.0.0.1", 1]]).rtt_ms
+        assert rtts[0] is not None and 0 < rtts[0] < 50 and 0 < rtts[1] < 50
+        assert rtts[2] is None  # nothing listens there
+        said: list[str] = []
+        # Loopback links are equal within noise: the order found stays.
+        assert _order_by_latency(members, None, said.append) == members and said == []
+    finally:
+        for m in members:
+            m.close()
+        for n in nodes:
+            n.stop()

@@ -21,7 +21,7 @@ import numpy as np
 
 from edgespec.batch import Batch
 from edgespec.errors import NodeLost, RingBusy, RingError
-from edgespec.head.planner import NodeProfile, Plan, PlanError, model_memory, plan_ring
+from edgespec.head.planner import NodeProfile, Plan, PlanError, model_memory, plan_ring, ring_order
 from edgespec.head.remote import (
     CONNECT_TIMEOUT_S,
     DEAD_AFTER_S,
@@ -75,6 +75,7 @@ def form_ring(addresses: Sequence[Address], model: str | os.PathLike[str], key: 
            + ", ".join(f"{h}:{p}" for h, p in addresses))
     members = connect_members(addresses, key, head_id, proxy)
     try:
+        members = _order_by_latency(members, proxy, log_fn)
         profiles = []
         for m in members:
             h = m.ask("health", timeout=CONNECT_TIMEOUT_S)
@@ -136,6 +137,39 @@ def form_ring(addresses: Sequence[Address], model: str | os.PathLike[str], key: 
         for m in members:
             m.close()
         raise
+
+
+def _order_by_latency(members: list[Member], proxy: Callable[[Address], Address] | None,
+                      log_fn: Callable[[str], None]) -> list[Member]:
+    """The members in the ring order that keeps a lap's link latency lowest (``ring_order``),
+    from the head's round trips and the ones each node measures to the others (as the nodes
+    will dial each other: through ``proxy`` when there is one). With two nodes, or when a
+    node cannot measure, the order given stays."""
+    if len(members) < 3:
+        return members
+    targets = [list(proxy(m.address) if proxy else m.address) for m in members]
+    pairs: list[list[float | None]] = []
+    head: list[float] = []
+    for i, m in enumerate(members):
+        best = float("inf")
+        for _ in range(3):  # the head's round trip, best of three pings
+            m.ask("ping", timeout=CONNECT_TIMEOUT_S)
+            best = min(best, m.last_rtt_ms)
+        head.append(best)
+        try:
+            rtts = m.ask("probe_rtt", timeout=CONNECT_TIMEOUT_S * len(members),
+                         addresses=[t for j, t in enumerate(targets) if j != i]).rtt_ms
+        except RingError as e:  # e.g. an older node: keep the order given
+            log_fn(f"{m.name}: no round trips to the other nodes ({e}); ring order as given")
+            return members
+        row = list(rtts)
+        row.insert(i, 0.0)
+        pairs.append(row)
+    order, ms, before = ring_order(head, pairs)
+    if order != list(range(len(members))):
+        log_fn(f"ring order by link latency: {' -> '.join(members[i].name for i in order)} "
+               f"({ms:.1f} ms of links per lap instead of {before:.1f})")
+    return [members[i] for i in order]
 
 
 def link_stages(members: Sequence[Member], windows: Sequence[Any],

@@ -213,6 +213,51 @@ def _shares(n_layer: int, speeds: Sequence[float], caps: Sequence[int]) -> list[
     return counts
 
 
+#: A reordering must save at least this much of a lap's link time (ms, and a fraction of
+#: it) before it replaces the order the nodes were found in: within noise, plans stay stable.
+REORDER_MIN_MS = 1.0
+REORDER_MIN_FRACTION = 0.1
+
+
+def ring_order(head_rtt: Sequence[float], pair_rtt: Sequence[Sequence[float | None]]
+               ) -> tuple[list[int], float, float]:
+    """The order of the nodes that makes a lap's links cheapest: the lap goes head -> first
+    node -> ... -> last node -> head, a link costs half its round trip, ``head_rtt[i]`` is
+    the head's round trip to node i and ``pair_rtt[i][j]`` node i's to node j (None: not
+    reached; such a link is never chosen while another order avoids it). Returns (order,
+    link ms per lap of that order, of the order given). Every order for up to 8 nodes; beyond,
+    nearest neighbour from the head. The given order stays unless the best saves
+    ``REORDER_MIN_MS`` and ``REORDER_MIN_FRACTION`` of its link time."""
+    n = len(head_rtt)
+    unreachable = 1e6  # ms: a link no order should take
+
+    def link(i: int, j: int) -> float:
+        a, b = pair_rtt[i][j], pair_rtt[j][i]
+        known = [x for x in (a, b) if x is not None]
+        return (min(known) if known else unreachable) / 2
+
+    def cost(order: Sequence[int]) -> float:
+        return (head_rtt[order[0]] / 2 + sum(link(a, b) for a, b in zip(order, order[1:], strict=False))
+                + head_rtt[order[-1]] / 2)
+
+    given = list(range(n))
+    if n <= 2:  # head -> a -> b -> head costs the same either way round
+        return given, cost(given) if n else 0.0, cost(given) if n else 0.0
+    if n <= 8:
+        import itertools
+
+        best = min((list(p) for p in itertools.permutations(given) if p[0] < p[-1]), key=cost)
+    else:
+        best = [min(given, key=lambda i: head_rtt[i])]
+        while len(best) < n:
+            best.append(min((i for i in given if i not in best),
+                            key=lambda i: link(best[-1], i)))
+    now, new = cost(given), cost(best)
+    if now - new < max(REORDER_MIN_MS, REORDER_MIN_FRACTION * now):
+        return given, now, now
+    return best, new, now
+
+
 def plan_ring(n_layer: int, layer_bytes: int, nodes: Sequence[NodeProfile], *,
               rounds: int = 1, batch: int = 1, reserve: float = 0.8,
               ranges: Sequence[tuple[int, int]] | None = None,

@@ -4,7 +4,7 @@ and moves batches along the ring.
 Frames a node handles (all over authenticated connections, see ``edgespec.wire.transport``):
 
 - CONTROL ``{"op": ...}``: ``ping`` (heartbeat: answered at once, no probes), ``health``,
-  ``profile``, ``load``, ``connect``, ``reset``, ``unload``, ``shard_*`` (shard upload),
+  ``profile``, ``probe_rtt`` (round trips to other members), ``load``, ``connect``, ``reset``, ``unload``, ``shard_*`` (shard upload),
   ``echo`` (bandwidth probe), ``shutdown``. Each is a typed request
   (``edgespec.wire.control``), served by the handler ``Node.CONTROL`` names for it; a
   malformed one is answered ``bad_request`` naming the field and reaches no handler.
@@ -50,6 +50,8 @@ from edgespec.wire.server import FrameServer
 from edgespec.wire.transport import Connection, Frame
 
 log = logging.getLogger("edgespec.node")
+#: Seconds to reach and ping another member when the head asks for round trips.
+PROBE_TIMEOUT_S = 2.0
 
 #: Control ops that only the head holding this node may send (see the module docstring).
 HOLDER_OPS = frozenset(op for op, r in ctl.REQUESTS.items() if issubclass(r, ctl.HolderRequest))
@@ -243,6 +245,29 @@ class Node(StageLoop):
     def _op_echo(self, conn: Connection, req: ctl.Echo, blob: Any) -> tuple[ctl.Done, Any]:
         return ctl.Done(), bytes(blob) if blob is not None else None
 
+    def _op_probe_rtt(self, conn: Connection, req: ctl.ProbeRtt, blob: Any
+                      ) -> ctl.ProbeRttReply:
+        """The round trip to each address: a key-proving connection, then the best of three
+        pings (the handshake's own round trips are not counted)."""
+        from edgespec.wire import control_message
+        from edgespec.wire.transport import connect
+
+        out: list[float | None] = []
+        for host, port in req.addresses:
+            try:
+                with connect(host, port, self.key, node_id=self.node_id,
+                             timeout=PROBE_TIMEOUT_S) as c:
+                    best = float("inf")
+                    for _ in range(3):
+                        t0 = time.perf_counter()
+                        c.request(control_message("ping"), timeout=PROBE_TIMEOUT_S)
+                        best = min(best, time.perf_counter() - t0)
+                out.append(round(best * 1e3, 3))
+            except Exception as e:  # unreachable from here: the head leaves that link out
+                log.info("%s: no round trip to %s:%d: %s", self.name, host, port, e)
+                out.append(None)
+        return ctl.ProbeRttReply(rtt_ms=out)
+
     def _resolve_model(self, model_path: str, want_fp: str | None) -> Path:
         from edgespec.llm.gguf_read import fingerprint
 
@@ -328,6 +353,7 @@ class Node(StageLoop):
         "health": (ctl.Health, _op_health),
         "echo": (ctl.Echo, _op_echo),
         "profile": (ctl.Profile, _op_profile),
+        "probe_rtt": (ctl.ProbeRtt, _op_probe_rtt),
         "load": (ctl.Load, _op_load),
         "connect": (ctl.Connect, StageLoop._op_connect),
         "reset": (ctl.Reset, _op_reset),

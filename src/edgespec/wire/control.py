@@ -120,6 +120,16 @@ class Profile(Request):
     value_fields: ClassVar[frozenset[str]] = frozenset({"batch_sizes"})
 
 
+class ProbeRtt(Request):
+    """Dial each address (ring members), ping it, and say the round trip: what the head needs
+    to order the ring by link latency (docs/design.md 5.3)."""
+
+    op: ClassVar[str] = "probe_rtt"
+    addresses: Annotated[list[tuple[StrictStr, Annotated[StrictInt, Field(ge=1, le=65535)]]],
+                         Field(max_length=16)]
+    value_fields: ClassVar[frozenset[str]] = frozenset({"addresses"})
+
+
 LoadWindow = tuple[StrictInt, StrictInt, StrictInt, StrictBool]  # stage, first layer, stop, is_last
 
 
@@ -214,7 +224,7 @@ class ShardFinish(_ShardId):
 
 
 REQUESTS: dict[str, type[Request]] = {r.op: r for r in (
-    Ping, Health, Echo, Profile, Load, Connect, Reset, Unload, Shutdown,
+    Ping, Health, Echo, Profile, ProbeRtt, Load, Connect, Reset, Unload, Shutdown,
     ShardStatus, ShardChunk, ShardFinish)}
 
 
@@ -262,6 +272,10 @@ class ProfileReply(Reply):
     n_layer: StrictInt
 
 
+class ProbeRttReply(Reply):
+    rtt_ms: list[StrictFloat | None]  # per address; None: not reached
+
+
 class LoadReply(Reply):
     stages: list[StrictInt] | None = None
     need_shards: StrictBool | None = None  # the node lacks the model: send the windows
@@ -291,6 +305,7 @@ class ShardFinishReply(Reply):
 
 REPLIES: dict[str, type[Reply]] = {
     "ping": Done, "health": HealthReply, "echo": Done, "profile": ProfileReply,
+    "probe_rtt": ProbeRttReply,
     "load": LoadReply, "connect": ConnectReply, "reset": Done, "unload": UnloadReply,
     "shutdown": Done, "shard_status": ShardStatusReply, "shard_chunk": ShardChunkReply,
     "shard_finish": ShardFinishReply,
