@@ -50,8 +50,6 @@ from edgespec.wire.server import FrameServer
 from edgespec.wire.transport import Connection, Frame
 
 log = logging.getLogger("edgespec.node")
-#: Seconds to reach and ping another member when the head asks for round trips.
-PROBE_TIMEOUT_S = 2.0
 
 #: Control ops that only the head holding this node may send (see the module docstring).
 HOLDER_OPS = frozenset(op for op, r in ctl.REQUESTS.items() if issubclass(r, ctl.HolderRequest))
@@ -247,26 +245,10 @@ class Node(StageLoop):
 
     def _op_probe_rtt(self, conn: Connection, req: ctl.ProbeRtt, blob: Any
                       ) -> ctl.ProbeRttReply:
-        """The round trip to each address: a key-proving connection, then the best of three
-        pings (the handshake's own round trips are not counted)."""
-        from edgespec.wire import control_message
-        from edgespec.wire.transport import connect
+        from edgespec.node.profiling import round_trips
 
-        out: list[float | None] = []
-        for host, port in req.addresses:
-            try:
-                with connect(host, port, self.key, node_id=self.node_id,
-                             timeout=PROBE_TIMEOUT_S) as c:
-                    best = float("inf")
-                    for _ in range(3):
-                        t0 = time.perf_counter()
-                        c.request(control_message("ping"), timeout=PROBE_TIMEOUT_S)
-                        best = min(best, time.perf_counter() - t0)
-                out.append(round(best * 1e3, 3))
-            except Exception as e:  # unreachable from here: the head leaves that link out
-                log.info("%s: no round trip to %s:%d: %s", self.name, host, port, e)
-                out.append(None)
-        return ctl.ProbeRttReply(rtt_ms=out)
+        return ctl.ProbeRttReply(rtt_ms=round_trips(req.addresses, self.key, self.node_id,
+                                                    self.name))
 
     def _resolve_model(self, model_path: str, want_fp: str | None) -> Path:
         from edgespec.llm.gguf_read import fingerprint

@@ -1,4 +1,5 @@
-"""Device profiling: decode time per layer at a few batch sizes, measured on the model itself.
+"""Device profiling: decode time per layer at a few batch sizes, measured on the model itself,
+and the round trips to other members (``round_trips``, for the ring's order).
 
 A node cuts a small first window (a few layers) of the model it is asked about, loads it, and
 times decode calls at batch sizes 1, 4 and 16 (the sizes a tree lap uses). Time per layer is
@@ -63,3 +64,33 @@ def profile_layers(model: str | Path, *, cache_dir: str | Path, n_threads: int |
         rt.close()
     return {"ms_per_layer": out, "layers_profiled": k, "free_ram": free_ram_bytes(),
             "free_vram": free_vram_bytes(), "n_layer": info.n_layer}
+
+
+#: Seconds to reach and ping another member when the head asks for round trips.
+PROBE_TIMEOUT_S = 2.0
+
+
+def round_trips(addresses: Sequence[tuple[str, int]], key: bytes, node_id: str,
+                name: str) -> list[float | None]:
+    """The round trip (ms) to each address: a key-proving connection, then the best of three
+    pings (the handshake's own round trips are not counted); None where it was not reached."""
+    import logging
+
+    from edgespec.wire import control_message
+    from edgespec.wire.transport import connect
+
+    out: list[float | None] = []
+    for host, port in addresses:
+        try:
+            with connect(host, port, key, node_id=node_id, timeout=PROBE_TIMEOUT_S) as c:
+                best = float("inf")
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    c.request(control_message("ping"), timeout=PROBE_TIMEOUT_S)
+                    best = min(best, time.perf_counter() - t0)
+            out.append(round(best * 1e3, 3))
+        except Exception as e:  # unreachable from here: the head leaves that link out
+            logging.getLogger("edgespec.node").info("%s: no round trip to %s:%d: %s", name,
+                                                    host, port, e)
+            out.append(None)
+    return out
