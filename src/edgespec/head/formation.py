@@ -110,7 +110,8 @@ def form_ring(addresses: Sequence[Address], model: str | os.PathLike[str], key: 
         layer_bytes = max(1, model_path.stat().st_size // max(1, info.n_layer))
         try:
             plan = plan_ring(info.n_layer, layer_bytes, profiles, rounds=rounds, ranges=ranges,
-                             memory=model_memory(model_path), n_ctx=n_ctx)
+                             memory=model_memory(model_path), n_ctx=n_ctx,
+                             n_seq_max=n_seq_max)
         except PlanError as e:
             raise RingError(f"cannot plan the ring: {e}") from e
         log_fn("ring plan:\n" + plan.table())

@@ -88,6 +88,23 @@ class Plan:
 
 _KV_BYTES = 2  # f16 cache cells, llama.cpp's default type_k / type_v
 
+#: What a window takes beyond its weights and KV cache: llama.cpp's compute buffers, and at
+#: the ends of the model the input rows and the output buffers. Measured on Qwen2.5-Coder
+#: 0.5B / 1.5B windows at n_ctx 4096, weights read into memory (bench/device_memory.py:
+#: resident anonymous memory less file size less KV): 34-60 MiB for a middle window, 80-90
+#: MiB for the first and the last, the Python process's own heap included. The last window
+#: also holds a zeroed logits buffer of n_vocab floats per sequence (``logits_bytes``: 148
+#: MiB for the 0.5B's vocabulary at 256 sequences, measured 142 MiB more resident than at
+#: one). The node's idle process (about 60 MiB) is used memory already when it reports
+#: what is free.
+WINDOW_OVERHEAD = 48 << 20
+ENDS_OVERHEAD = 48 << 20
+
+
+def logits_bytes(memory: ModelMemory, n_seq_max: int) -> int:
+    """The last window's logits buffer."""
+    return 4 * memory.n_vocab * n_seq_max
+
 
 @dataclass(frozen=True)
 class ModelMemory:
@@ -98,6 +115,7 @@ class ModelMemory:
     embd_bytes: int  # token embeddings, held by the first and the last window
     head_bytes: int  # output norm and head (none with tied embeddings), held by the last window
     head_on_first: bool = False  # the architecture wants a head in every file (gpt-oss)
+    n_vocab: int = 0  # the last window's logits buffer: n_vocab floats per sequence
 
     @property
     def n_layer(self) -> int:
@@ -133,7 +151,7 @@ def model_memory(path: str | Path) -> ModelMemory:
     from edgespec.llm.gguf_read import open_gguf
 
     with open_gguf(path) as h:
-        arch, n_layer, n_embd, _n_vocab = h.dims()
+        arch, n_layer, n_embd, n_vocab = h.dims()
         weights = [0] * n_layer
         embd = head = 0
         for t in h.tensors:
@@ -167,7 +185,8 @@ def model_memory(path: str | Path) -> ModelMemory:
                 v_len = h.get(f"{arch}.attention.value_length") or k_len
                 kv.append((int(k_len) + int(v_len)) * n_head_kv[i] * _KV_BYTES)
         handling = ARCHITECTURES.get(arch)
-    return ModelMemory(weights, kv, embd, head, bool(handling and handling.head_required))
+    return ModelMemory(weights, kv, embd, head, bool(handling and handling.head_required),
+                       int(n_vocab))
 
 
 def _shares(n_layer: int, speeds: Sequence[float], caps: Sequence[int]) -> list[int]:
@@ -261,7 +280,8 @@ def ring_order(head_rtt: Sequence[float], pair_rtt: Sequence[Sequence[float | No
 def plan_ring(n_layer: int, layer_bytes: int, nodes: Sequence[NodeProfile], *,
               rounds: int = 1, batch: int = 1, reserve: float = 0.8,
               ranges: Sequence[tuple[int, int]] | None = None,
-              memory: ModelMemory | None = None, n_ctx: int = 4096) -> Plan:
+              memory: ModelMemory | None = None, n_ctx: int = 4096,
+              n_seq_max: int = 256) -> Plan:
     """The plan for ``nodes`` (in ring order). ``ranges`` overrides the split (one range per
     node and round, in ring order).
 
@@ -294,8 +314,11 @@ def plan_ring(n_layer: int, layer_bytes: int, nodes: Sequence[NodeProfile], *,
         speeds = [1.0 / max(n.layer_ms(batch), 1e-6) for n in nodes]
         ends = [0] * len(nodes)  # the first node holds the embeddings, the last the head too
         if memory is not None:
-            ends[0] += memory.embd_bytes + (memory.head_bytes if memory.head_on_first else 0)
-            ends[-1] += memory.embd_bytes + memory.head_bytes
+            ends = [rounds * WINDOW_OVERHEAD] * len(nodes)
+            ends[0] += (memory.embd_bytes + (memory.head_bytes if memory.head_on_first else 0)
+                        + ENDS_OVERHEAD)
+            ends[-1] += (memory.embd_bytes + memory.head_bytes + ENDS_OVERHEAD
+                         + logits_bytes(memory, n_seq_max))
         caps = [max(0, int((n.free_mem * reserve - end) // max(layer_bytes, 1))) if n.free_mem else
                 n_layer for n, end in zip(nodes, ends, strict=True)]
         # Every ring member holds at least one layer; a node without room for one would be
@@ -319,7 +342,10 @@ def plan_ring(n_layer: int, layer_bytes: int, nodes: Sequence[NodeProfile], *,
                 pos += k
     if memory is not None:
         for i, n in enumerate(nodes):
-            need = sum(memory.window_bytes(w.start, w.stop, n_ctx) for w in windows if w.node == i)
+            need = sum(memory.window_bytes(w.start, w.stop, n_ctx) + WINDOW_OVERHEAD
+                       + (ENDS_OVERHEAD if w.start == 0 or w.stop == n_layer else 0)
+                       + (logits_bytes(memory, n_seq_max) if w.stop == n_layer else 0)
+                       for w in windows if w.node == i)
             if n.free_mem and need > n.free_mem * reserve:
                 held = ",".join(f"{w.start}:{w.stop}" for w in windows if w.node == i)
                 raise PlanError(f"node {n.name} ({n.host}:{n.port}) would need {need} bytes for "

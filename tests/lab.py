@@ -1,0 +1,224 @@
+"""A home lab in a box for tests and benchmarks: N devices, each a network namespace on one
+bridge (``netns.NetnsLab``) with its own memory cap and CPU quota (a cgroup, v1 or v2), its own
+EDGESPEC_HOME, and an `edgespec node` that finds the head over mDNS like a real device.
+
+    with HomeLab(["n1", "n2", "n3"], tmp_path) as lab:
+        lab.device("n3").cap(memory_mib=330, cpu_share=0.25)
+        lab.start_nodes(key_file)
+        print(lab.head_run([... "ring", "up", "--nodes", "auto", ...]))
+
+``skip_reason()`` says why a lab cannot be built here (not root, no `ip`, no writable cgroup
+hierarchy) so tests skip with that reason. Everything a lab makes (namespaces, cgroups,
+processes) is removed when it closes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import netns
+
+REPO = Path(__file__).resolve().parent.parent
+PORT = 7654
+CFS_PERIOD_US = 100_000
+
+
+class Cgroup:
+    """One cgroup holding a memory limit and a CPU quota: on a unified (v2) hierarchy one
+    directory, on v1 one in each of the memory and cpu hierarchies."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        root = Path("/sys/fs/cgroup")
+        ctrl = root / "cgroup.controllers"
+        self.v2 = ctrl.exists() and {"memory", "cpu"} <= set(ctrl.read_text().split())
+        if self.v2:
+            sub = root / "cgroup.subtree_control"
+            with contextlib.suppress(OSError):
+                sub.write_text("+memory +cpu")
+            self.dirs = [root / name]
+        else:
+            self.dirs = [root / "memory" / name, root / "cpu" / name]
+        for d in self.dirs:
+            d.mkdir()
+
+    def cap(self, memory_mib: int | None = None, cpu_share: float | None = None) -> None:
+        """Set (or, with None, lift) the memory limit and the CPU share (1.0 = one core)."""
+        mem = "max" if memory_mib is None else str(memory_mib << 20)
+        quota = -1 if cpu_share is None else int(cpu_share * CFS_PERIOD_US)
+        if self.v2:
+            (self.dirs[0] / "memory.max").write_text(mem)
+            (self.dirs[0] / "cpu.max").write_text(
+                f"{'max' if quota < 0 else quota} {CFS_PERIOD_US}")
+        else:
+            (self.dirs[0] / "memory.limit_in_bytes").write_text(
+                "-1" if memory_mib is None else mem)
+            (self.dirs[1] / "cpu.cfs_period_us").write_text(str(CFS_PERIOD_US))
+            (self.dirs[1] / "cpu.cfs_quota_us").write_text(str(quota))
+
+    def wrap(self, argv: list[str]) -> list[str]:
+        """``argv`` started inside this cgroup (it joins before it runs, so every byte it
+        allocates is charged here)."""
+        joins = " && ".join(f"echo $$ > {d}/cgroup.procs" for d in self.dirs)
+        return ["sh", "-c", f'{joins} && exec "$@"', "sh", *argv]
+
+    def oom_kills(self) -> int:
+        """Processes the kernel killed here for memory."""
+        f = self.dirs[0] / ("memory.events" if self.v2 else "memory.oom_control")
+        with contextlib.suppress(OSError, ValueError):
+            m = re.search(r"oom_kill (\d+)", f.read_text())
+            return int(m.group(1)) if m else 0
+        return 0
+
+    def close(self) -> None:
+        for d in self.dirs:
+            procs = d / "cgroup.procs"
+            with contextlib.suppress(OSError):
+                for pid in procs.read_text().split():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(int(pid), 9)
+            for _ in range(50):
+                try:
+                    d.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.1)
+
+
+def skip_reason() -> str | None:
+    """Why a home lab cannot be built here, or None."""
+    reason = netns.skip_reason()
+    if reason:
+        return reason
+    if shutil.which("nsenter") is None:
+        return "util-linux's `nsenter` not found (apt-get install util-linux)"
+    try:
+        Cgroup(f"edgespec-probe-{uuid.uuid4().hex[:6]}").close()
+    except OSError as e:
+        return f"cannot create cgroups here ({e}): needs root and a writable cgroup hierarchy"
+    return None
+
+
+def edgespec() -> list[str]:
+    exe = Path(sys.executable).with_name("edgespec")
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "edgespec"]
+
+
+def env_for(home: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["EDGESPEC_HOME"] = str(home)
+    env.pop("EDGESPEC_KEY_FILE", None)
+    env["OMP_WAIT_POLICY"] = "passive"
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+@dataclass
+class Device:
+    """One device of the lab: its namespace, cgroup, home and node process."""
+
+    name: str
+    host: netns.Host
+    cgroup: Cgroup
+    home: Path
+    node: subprocess.Popen | None = None
+    logs: tuple[Path, Path] = field(default=(Path(), Path()))
+
+    def cap(self, memory_mib: int | None = None, cpu_share: float | None = None) -> None:
+        self.cgroup.cap(memory_mib, cpu_share)
+
+    def start_node(self, key_file: Path, workdir: Path, timeout: float = 60) -> None:
+        out, err = workdir / f"{self.name}.out", workdir / f"{self.name}.err"
+        self.logs = (out, err)
+        argv = [*edgespec(), "node", "--key-file", str(key_file), "--name", self.name,
+                "--bind", "0.0.0.0", "--port", str(PORT), "--threads", "1"]
+        with open(out, "a") as fo, open(err, "a") as fe:
+            # Join the cgroup, then only the network namespace (nsenter): `ip netns exec`
+            # would also mount a sysfs of its own, where the node could not read its cgroup's
+            # limit as a container's process can.
+            enter = ["nsenter", f"--net=/run/netns/{self.host.netns}", "--"]
+            self.node = subprocess.Popen(self.cgroup.wrap([*enter, *argv]),
+                                         env=env_for(self.home), cwd=REPO, stdout=fo,
+                                         stderr=fe, text=True)
+        self.host.procs.append(self.node)
+        deadline = time.monotonic() + timeout
+        pattern = re.compile(rf"advertising {self.name}\.")
+        while not pattern.search(err.read_text(errors="replace")):
+            if self.node.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"{self.name}: node did not start:\n"
+                                     f"{err.read_text(errors='replace')[-3000:]}")
+            time.sleep(0.2)
+
+    def stop_node(self) -> None:
+        if self.node is not None and self.node.poll() is None:
+            self.node.terminate()
+            try:
+                self.node.wait(30)
+            except subprocess.TimeoutExpired:
+                self.node.kill()
+                self.node.wait(10)
+
+
+class HomeLab:
+    """A head and N devices on one bridge (see the module docstring)."""
+
+    def __init__(self, names: list[str], workdir: Path) -> None:
+        self.names = names
+        self.workdir = workdir
+        self.net = netns.NetnsLab(len(names) + 1, names=["head", *names])
+        self.devices: dict[str, Device] = {}
+        self.head_home = workdir / "home-head"
+
+    def __enter__(self) -> HomeLab:
+        self.net.__enter__()
+        tag = uuid.uuid4().hex[:6]
+        try:
+            hosts = {h.name: h for h in self.net.hosts}
+            self.head = hosts["head"]
+            self.head_home.mkdir(parents=True, exist_ok=True)
+            for n in self.names:
+                home = self.workdir / f"home-{n}"
+                home.mkdir(parents=True, exist_ok=True)
+                self.devices[n] = Device(n, hosts[n], Cgroup(f"edgespec-lab-{tag}-{n}"), home)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def device(self, name: str) -> Device:
+        return self.devices[name]
+
+    def start_nodes(self, key_file: Path) -> None:
+        for d in self.devices.values():
+            d.start_node(key_file, self.workdir)
+
+    def head_run(self, argv: list[str], timeout: float = 600, check: bool = True,
+                 ) -> subprocess.CompletedProcess[str]:
+        res = self.head.run(argv, env=env_for(self.head_home), cwd=REPO, timeout=timeout,
+                            check=False)
+        if check and res.returncode != 0:
+            raise AssertionError(f"{' '.join(argv[:4])}... exited {res.returncode}:\n"
+                                 f"{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
+        return res
+
+    def close(self) -> None:
+        for d in self.devices.values():
+            with contextlib.suppress(Exception):
+                d.stop_node()
+        self.net.close()
+        for d in self.devices.values():
+            d.cgroup.close()
