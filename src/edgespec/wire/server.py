@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import socket
 import threading
 import time
@@ -84,10 +85,14 @@ class _Pending:
 
 
 class _Throttled:
-    """At most one log line per ``interval`` seconds per topic, with a count of those held back."""
+    """At most one log line per ``interval`` seconds per topic, with a count of those held back.
 
-    def __init__(self, interval: float = 10.0) -> None:
+    Topics beyond ``max_topics`` share one, so the table stays small whatever the topics are.
+    """
+
+    def __init__(self, interval: float = 10.0, max_topics: int = 64) -> None:
         self.interval = interval
+        self.max_topics = max_topics
         self._last: dict[str, float] = {}
         self._held: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -95,6 +100,8 @@ class _Throttled:
     def warning(self, topic: str, msg: str, *args: object) -> None:
         now = time.monotonic()
         with self._lock:
+            if topic not in self._last and len(self._last) >= self.max_topics:
+                topic = "(other)"
             if now - self._last.get(topic, -1e9) < self.interval:
                 self._held[topic] = self._held.get(topic, 0) + 1
                 return
@@ -157,7 +164,6 @@ class FrameServer:
         self.evicted = 0  # handshakes dropped to make room under the pending caps
         self.errors = 0  # ERROR replies sent for bad frames / failed handlers
         self.accept_errors = 0  # failed accept() calls (out of descriptors, memory, ...)
-
 
     @property
     def address(self) -> tuple[str, int]:
@@ -308,9 +314,8 @@ class FrameServer:
                 else:
                     why = str(e) if isinstance(e, AuthError) else f"{type(e).__name__}: {e}"
                     # Throttled per kind of refusal: a stranger can cause these at will.
-                    self._throttled.warning(f"refused:{why.split(' (')[0][:40]}",
-                                            "%s: refused peer %s:%d: %s", self.node_id,
-                                            addr[0], addr[1], why)
+                    self._throttled.warning(_refusal_topic(e), "%s: refused peer %s:%d: %s",
+                                            self.node_id, addr[0], addr[1], why)
                 sock.close()
                 return
             with self._lock:
@@ -397,6 +402,17 @@ class FrameServer:
                     log.warning("%s: reply to %s failed: %s", self.node_id, conn.peer_node, e)
                     if isinstance(e, TransportError):
                         return
+
+
+def _refusal_topic(e: BaseException) -> str:
+    """The kind of a refused handshake, for the log throttle: the first words of the reason
+    before any ':' or '(' (``ring key mismatch``, ``malformed handshake``, ``peer speaks
+    protocol``...), letters only, so text the peer chose (a protocol value, a frame's bad
+    magic) never makes a topic of its own; the exception type for anything unforeseen."""
+    if not isinstance(e, AuthError):
+        return f"refused:{type(e).__name__}"
+    head = re.split(r"[:(]", str(e), maxsplit=1)[0]
+    return "refused:" + " ".join(re.findall(r"[A-Za-z]+", head)[:3])
 
 
 def _safe_meta(frame: Frame) -> object:
