@@ -297,28 +297,28 @@ def _health_until(client, want: str, timeout: float = 30.0):
 def test_health_tells_ok_degraded_and_down_as_nodes_die(tiny):
     from fastapi.testclient import TestClient
 
-    with Ring.local(tiny, stages=2, n_ctx=256, spec="none") as r:
-        with TestClient(create_app(r, "tiny")) as client:  # runs the app's health monitor
-            r1 = _health_until(client, "ok")
-            assert r1.status_code == 200 and r1.json()["status"] == "ok"
-            procs = r.local_nodes.procs
-            procs[1].kill()
-            procs[1].wait(10)
-            r2 = _health_until(client, "degraded")
-            assert r2.status_code == 200 and r2.json()["status"] == "degraded", r2.json()
-            procs[0].kill()
-            procs[0].wait(10)
-            r3 = _health_until(client, "down")
-            assert r3.status_code == 503 and r3.json()["status"] == "down", r3.json()
-            view = client.get("/v1/ring").json()
-            assert view["status"] == "down"
-            # A local ring's nodes are the server's own processes: the hint says to restart
-            # the server, not to start `edgespec node` and rebalance.
-            assert "--local 2" in view["hint"] and "rebalance" not in view["hint"], view
-            assert "next request" not in view["hint"], view  # no node process is left
-            assert "Broken pipe" not in view["message"], view
-            metrics = client.get("/metrics").text
-            assert 'edgespec_ring_status{status="down"} 1.0' in metrics
+    with Ring.local(tiny, stages=2, n_ctx=256, spec="none") as r, \
+            TestClient(create_app(r, "tiny")) as client:  # runs the app's health monitor
+        r1 = _health_until(client, "ok")
+        assert r1.status_code == 200 and r1.json()["status"] == "ok"
+        procs = r.local_nodes.procs
+        procs[1].kill()
+        procs[1].wait(10)
+        r2 = _health_until(client, "degraded")
+        assert r2.status_code == 200 and r2.json()["status"] == "degraded", r2.json()
+        procs[0].kill()
+        procs[0].wait(10)
+        r3 = _health_until(client, "down")
+        assert r3.status_code == 503 and r3.json()["status"] == "down", r3.json()
+        view = client.get("/v1/ring").json()
+        assert view["status"] == "down"
+        # A local ring's nodes are the server's own processes: the hint says to restart
+        # the server, not to start `edgespec node` and rebalance.
+        assert "--local 2" in view["hint"] and "rebalance" not in view["hint"], view
+        assert "next request" not in view["hint"], view  # no node process is left
+        assert "Broken pipe" not in view["message"], view
+        metrics = client.get("/metrics").text
+        assert 'edgespec_ring_status{status="down"} 1.0' in metrics
 
 
 def test_hosts_allowed_for_a_wildcard_bind_are_this_machines_own():

@@ -469,7 +469,7 @@ class Ring:
         from edgespec.head.view import view_of_chain
 
         view = view_of_chain(self.chain, self.model_name, self.n_ctx, probe=probe,
-                             can_recover=self.session.recover is not None)
+                             can_recover=self.can_recover)
         view.spec, view.drafter = self.default_spec, _drafter_name(self._drafter)
         view.recoveries = list(self.recovery_log)
         if self.taken_over is not None:

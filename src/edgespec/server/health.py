@@ -147,7 +147,7 @@ class Metrics:
                                      ["link"], registry=r)
         self.laps = Counter("edgespec_laps", "Laps of the ring timed for the two above",
                             registry=r)
-        r.register(_Live(ring, gauges, verdict))
+        r.register(_ScrapeTime(ring, gauges, verdict))
 
     def finished(self, endpoint: str, gen: Any, ttft_s: float | None) -> None:
         """A generation's figures (also one that was abandoned midway)."""
@@ -172,7 +172,7 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-class _Live:
+class _ScrapeTime:
     """Metrics read at scrape time: queue depth, running requests, recoveries, the ring's
     condition and stage count."""
 

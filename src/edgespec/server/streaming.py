@@ -304,13 +304,15 @@ class Completions:
                                            "param": param, "code": code}})
                     continue
                 if isinstance(item, Generation):
+                    if include_usage:  # the usage so far, also for an answer cut off
+                        usage = event({"id": rid, "object": obj, "created": created,
+                                       "model": self.model_name, "choices": [],
+                                       "usage": self._usage(item)})
                     if item.finish_reason == "cancelled":
-                        # Cut off by a shutdown: the usage so far, then an error event and no
-                        # [DONE], so the client knows the text it has is not the whole answer.
+                        # Cut off by a shutdown: the usage, then an error event and no [DONE],
+                        # so the client knows the text it has is not the whole answer.
                         if include_usage:
-                            yield event({"id": rid, "object": obj, "created": created,
-                                         "model": self.model_name, "choices": [],
-                                         "usage": self._usage(item)})
+                            yield usage
                         yield event({"error": {
                             "message": f"the server is shutting down: the answer was cut off "
                                        f"after {item.stats.tokens} token(s)",
@@ -318,9 +320,7 @@ class Completions:
                         return
                     yield chunk(None, item.finish_reason)
                     if include_usage:
-                        yield event({"id": rid, "object": obj, "created": created,
-                                     "model": self.model_name, "choices": [],
-                                     "usage": self._usage(item)})
+                        yield usage
                     continue
                 yield chunk(item, None)
             yield b"data: [DONE]\n\n"

@@ -259,10 +259,8 @@ class FrameServer:
                 # key tag, else the oldest keyed one stalled past the grace; if every one is
                 # a keyed handshake under way, the newcomer waits its turn (it is refused).
                 now = time.monotonic()
-                idle = [p for p in crowd if not p.keyed]
-                stalled = [p for p in crowd if p.keyed and p.evictable(now)]
-                pool = idle or stalled
-                victim = min(pool, key=lambda p: p.since) if pool else None
+                pool = [p for p in crowd if p.evictable(now)]
+                victim = min(pool, key=lambda p: (p.keyed, p.since)) if pool else None
                 if victim is None:
                     self.refused += 1
                     sock.close()
