@@ -1,6 +1,6 @@
 #!/bin/sh
 # The commands that produced the committed results (run from the repository root), in order.
-# 1. The full benchmark: every mode and drafter at hops 10 (the issue-6 operating point first,
+# 1. The full benchmark: every mode and drafter at hops 10 (the reference operating point first,
 #    so a run cut short still has it), 0, 25 and 50 ms.
 .venv/bin/python -m bench.ring_bench --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b \
     --stages 4 --hop-ms 10,0,25,50 --modes single,none,sync,flow --drafter model,retrieval \
