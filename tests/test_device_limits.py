@@ -2,10 +2,13 @@
 
 - free memory is the smaller of what the machine has available and the room the memory cgroup
   leaves (a container's --memory, a systemd MemoryMax), for cgroup v1 and v2, nested limits
-  included: on fake cgroup trees and in a real cgroup made here;
+  included: on fake cgroup trees and in a real cgroup made here; a Tegra board's GPU memory is
+  that same pool, counted once;
 - a device held to 25% of a core by a CFS quota is profiled as that slow (the profile measures
-  sustained speed, not a burst that fits in one quota period), and the planner gives it
-  proportionally fewer layers.
+  sustained speed, not a burst that fits in one quota period, and reads the quota to check
+  itself), and the planner gives it proportionally fewer layers;
+- a window is resident once (read, not mapped, where weights are repacked);
+- the ring's order keeps a lap's link latency low (every round of a piped ring counted).
 """
 
 from __future__ import annotations
@@ -76,6 +79,95 @@ def test_inside_a_container_the_mount_root_is_its_own_cgroup(tmp_path):
     assert cgroup_room(proc, tmp_path / "fs") == 600 * MiB
 
 
+def test_jetson_memory_is_one_pool_counted_once(tmp_path, monkeypatch):
+    """On a Tegra board the GPU's memory is the RAM free_ram_bytes counts: no VRAM figure,
+    even where an nvidia-smi answers with that same pool."""
+    from edgespec.node.info import free_vram_bytes, unified_memory
+
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text("#!/bin/sh\necho 4096\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{smi.parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    pc = tmp_path / "pc"
+    _tree(pc, {"proc/device-tree/model": "QEMU Standard PC\0"})
+    assert not unified_memory(pc) and free_vram_bytes(pc) == 4096 * MiB  # a discrete GPU
+    for rel, text in (("proc/device-tree/model", "NVIDIA Jetson AGX Orin Developer Kit\0"),
+                      ("proc/device-tree/compatible", "nvidia,p3737-0000\0nvidia,tegra234\0"),
+                      ("etc/nv_tegra_release", "# R36 (release), REVISION: 3.0\n")):
+        board = tmp_path / rel.replace("/", "_")
+        _tree(board, {rel: text})
+        assert unified_memory(board), rel
+        assert free_vram_bytes(board) is None, rel
+
+
+def test_cpu_quota_v2_tightest_ancestor(tmp_path):
+    from edgespec.node.info import cpu_quota, cpu_quota_cores
+
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/kubepods/pod1/ctr\n")
+    _tree(tmp_path / "fs", {
+        "kubepods/pod1/ctr/cpu.max": "max 100000\n",
+        "kubepods/pod1/cpu.max": "50000 100000\n",  # the pod: half a core
+        "kubepods/cpu.max": "400000 100000\n",
+    })
+    assert cpu_quota_cores(proc, tmp_path / "fs") == 0.5
+    assert cpu_quota(proc, tmp_path / "fs") == (0.5, 0.1)  # and its period, in seconds
+    proc.write_text("0::/kubepods\n")
+    assert cpu_quota_cores(proc, tmp_path / "fs") == 4.0
+    _tree(tmp_path / "fs", {"kubepods/cpu.max": "max 100000\n"})
+    assert cpu_quota_cores(proc, tmp_path / "fs") is None  # no quota anywhere
+
+
+def test_cpu_quota_v1_on_either_mount_name(tmp_path):
+    from edgespec.node.info import cpu_quota_cores
+
+    proc = tmp_path / "cgroup"
+    proc.write_text("4:memory:/docker/abc\n3:cpu,cpuacct:/docker/abc\n0::/\n")
+    _tree(tmp_path / "a", {  # the controllers mounted together
+        "cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "20000\n",
+        "cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000\n",
+        "cpu,cpuacct/docker/cpu.cfs_quota_us": "-1\n",
+        "cpu,cpuacct/docker/cpu.cfs_period_us": "100000\n",
+    })
+    assert cpu_quota_cores(proc, tmp_path / "a") == pytest.approx(0.2)
+    _tree(tmp_path / "b", {  # cpu mounted on its own (and a container at the mount's root)
+        "cpu/cpu.cfs_quota_us": "150000\n", "cpu/cpu.cfs_period_us": "100000\n",
+    })
+    assert cpu_quota_cores(proc, tmp_path / "b") == pytest.approx(1.5)
+    _tree(tmp_path / "c", {"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"})
+    assert cpu_quota_cores(proc, tmp_path / "c") is None
+
+
+def test_profile_is_no_faster_than_the_quota_allows(tmp_path, monkeypatch):
+    """Under a quota the profile takes the span's CPU time at the quota's rate, whatever the
+    span's phase against the periods (a burst allowance, a period as long as the span), and
+    spans at least five of the quota's periods."""
+    import time
+
+    from tinygguf import make_tiny_gguf
+
+    from edgespec.node import info
+    from edgespec.node.profiling import profile_layers, sustained_s
+
+    assert sustained_s(0.5, 0.5, None) == 0.5
+    assert sustained_s(0.5, 0.5, 0.25) == 2.0  # 0.5 s of CPU at a quarter of a core
+    assert sustained_s(0.5, 0.5, 2.0) == 0.5  # the quota is not what holds it back
+    model = make_tiny_gguf(tmp_path / "m.gguf", "qwen2", n_layer=4, n_embd=256, seed=2)
+
+    def ms(quota: tuple[float, float] | None) -> tuple[float, float]:
+        monkeypatch.setattr(info, "cpu_quota", lambda *a, **k: quota)
+        t0 = time.perf_counter()
+        out = profile_layers(model, cache_dir=tmp_path, n_threads=1, batch_sizes=(1,),
+                             sustain_s=0.2)["ms_per_layer"]["1"]
+        return out, time.perf_counter() - t0
+
+    (free, _), (quarter, _) = ms(None), ms((0.25, 0.04))
+    assert quarter > 2.5 * free, (free, quarter)  # ~4x: one thread's CPU time at 25%
+    _, took = ms((8.0, 0.2))  # a quota above what one thread uses, on 200 ms periods
+    assert took >= 1.0, took  # five periods, not the 0.2 s asked for
+
+
 def _memory_cgroup(limit: int) -> tuple[Path, str]:
     """A real memory cgroup with ``limit`` (v2 where it is the memory hierarchy, else v1)."""
     name = f"edgespec-test-{uuid.uuid4().hex[:8]}"
@@ -130,6 +222,19 @@ def _cpu_cgroup(quota_us: int, period_us: int = 100_000) -> Path:
         pytest.skip(f"cannot create a cpu cgroup here ({e}): needs root and a writable "
                     "cgroup hierarchy")
     return where
+
+
+def test_a_real_cpu_quota_is_read():
+    where = _cpu_cgroup(25_000)
+    code = ("import os, sys; open(sys.argv[1] + '/cgroup.procs', 'w').write(str(os.getpid()));"
+            "from edgespec.node.info import cpu_quota_cores; print(cpu_quota_cores())")
+    try:
+        out = subprocess.run([sys.executable, "-c", code, str(where)], capture_output=True,
+                             text=True, timeout=60, check=True).stdout
+    finally:
+        with contextlib.suppress(OSError):
+            os.rmdir(where)
+    assert float(out) == pytest.approx(0.25)
 
 
 PROFILE = """
@@ -231,6 +336,44 @@ def test_ring_order_keeps_slow_links_out_of_the_lap():
     assert order[1] == 2, order  # 0 and 1 never adjacent inside the ring
     # Two nodes: either way round costs the same.
     assert ring_order([1.0, 9.0], [[0.0, 3.0], [3.0, 0.0]])[0] == [0, 1]
+
+
+def test_ring_order_counts_every_round_of_a_piped_ring():
+    """With k rounds a lap runs the nodes' path k times and crosses back from the last node
+    to the first k - 1 times: an order good for one round can be poor for three."""
+    from edgespec.head.planner import ring_order
+
+    head = [0.5, 10.0, 10.0, 0.5]
+    pair = [[0.0, 10.0, 0.5, 10.0], [10.0, 0.0, 10.0, 0.5],
+            [0.5, 10.0, 0.0, 0.5], [10.0, 0.5, 0.5, 0.0]]
+    one, ms1, _ = ring_order(head, pair)
+    assert one == [0, 2, 1, 3] and ms1 == 6.0  # one slow link (2 -> 1), crossed once
+    three, ms3, _ = ring_order(head, pair, rounds=3)
+    # [0, 2, 1, 3] over three rounds would take 27 ms: its slow link three times and the slow
+    # way back (3 -> 0) twice; [0, 2, 3, 1] has one slow link, the way back, crossed twice.
+    assert three == [0, 2, 3, 1] and ms3 == 17.5
+    # Nothing measured between the nodes: every order costs the same, the found one stays.
+    blind = [[0.0 if i == j else None for j in range(4)] for i in range(4)]
+    assert ring_order(head, blind, rounds=3)[0] == [0, 1, 2, 3]
+
+
+def test_ring_order_beyond_eight_nodes_keeps_sites_together():
+    """Past 8 nodes (no brute force) the nearest-neighbour order still crosses a slow bridge
+    between two sites only twice a lap."""
+    import time
+
+    from edgespec.head.planner import ring_order
+
+    site = [i % 2 for i in range(12)]  # found alternating between the house and the garage
+    head = [0.4 if s == 0 else 10.0 for s in site]
+    pair = [[0.0 if i == j else 0.5 if site[i] == site[j] else 10.0 for j in range(12)]
+            for i in range(12)]
+    t0 = time.perf_counter()
+    order, ms, before = ring_order(head, pair)
+    assert time.perf_counter() - t0 < 0.5
+    hops = [0, *[site[i] for i in order], 0]
+    assert sum(a != b for a, b in zip(hops, hops[1:], strict=False)) == 2, order
+    assert ms < before / 3, (ms, before)
 
 
 def test_nodes_measure_round_trips_to_each_other(tmp_path):

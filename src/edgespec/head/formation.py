@@ -75,7 +75,8 @@ def form_ring(addresses: Sequence[Address], model: str | os.PathLike[str], key: 
            + ", ".join(f"{h}:{p}" for h, p in addresses))
     members = connect_members(addresses, key, head_id, proxy)
     try:
-        members = _order_by_latency(members, proxy, log_fn)
+        if ranges is None:  # given ranges are the user's, node by node: that order stays
+            members = _order_by_latency(members, proxy, log_fn, rounds=rounds)
         profiles = []
         for m in members:
             h = m.ask("health", timeout=CONNECT_TIMEOUT_S)
@@ -141,7 +142,7 @@ def form_ring(addresses: Sequence[Address], model: str | os.PathLike[str], key: 
 
 
 def _order_by_latency(members: list[Member], proxy: Callable[[Address], Address] | None,
-                      log_fn: Callable[[str], None]) -> list[Member]:
+                      log_fn: Callable[[str], None], rounds: int = 1) -> list[Member]:
     """The members in the ring order that keeps a lap's link latency lowest (``ring_order``),
     from the head's round trips and the ones each node measures to the others (as the nodes
     will dial each other: through ``proxy`` when there is one). With two nodes, or when a
@@ -166,7 +167,7 @@ def _order_by_latency(members: list[Member], proxy: Callable[[Address], Address]
         row = list(rtts)
         row.insert(i, 0.0)
         pairs.append(row)
-    order, ms, before = ring_order(head, pairs)
+    order, ms, before = ring_order(head, pairs, rounds)
     if order != list(range(len(members))):
         log_fn(f"ring order by link latency: {' -> '.join(members[i].name for i in order)} "
                f"({ms:.1f} ms of links per lap instead of {before:.1f})")

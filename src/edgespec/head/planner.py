@@ -238,16 +238,18 @@ REORDER_MIN_MS = 1.0
 REORDER_MIN_FRACTION = 0.1
 
 
-def ring_order(head_rtt: Sequence[float], pair_rtt: Sequence[Sequence[float | None]]
-               ) -> tuple[list[int], float, float]:
+def ring_order(head_rtt: Sequence[float], pair_rtt: Sequence[Sequence[float | None]],
+               rounds: int = 1) -> tuple[list[int], float, float]:
     """The order of the nodes that makes a lap's links cheapest: the lap goes head -> first
     node -> ... -> last node -> head, a link costs half its round trip, ``head_rtt[i]`` is
     the head's round trip to node i and ``pair_rtt[i][j]`` node i's to node j (None: not
-    reached; such a link is never chosen while another order avoids it). Returns (order,
-    link ms per lap of that order, of the order given). Every order for up to 8 nodes; beyond,
-    nearest neighbour from the head. The given order stays unless the best saves
-    ``REORDER_MIN_MS`` and ``REORDER_MIN_FRACTION`` of its link time."""
+    reached; such a link is never chosen while another order avoids it). With ``rounds`` k a
+    lap runs the nodes' path k times, crossing from the last node back to the first k - 1
+    times. Returns (order, link ms per lap of that order, of the order given). Every order for
+    up to 8 nodes; beyond, nearest neighbour from the head. The given order stays unless the
+    best saves ``REORDER_MIN_MS`` and ``REORDER_MIN_FRACTION`` of its link time."""
     n = len(head_rtt)
+    k = max(1, int(rounds))
     unreachable = 1e6  # ms: a link no order should take
 
     def link(i: int, j: int) -> float:
@@ -256,8 +258,9 @@ def ring_order(head_rtt: Sequence[float], pair_rtt: Sequence[Sequence[float | No
         return (min(known) if known else unreachable) / 2
 
     def cost(order: Sequence[int]) -> float:
-        return (head_rtt[order[0]] / 2 + sum(link(a, b) for a, b in zip(order, order[1:], strict=False))
-                + head_rtt[order[-1]] / 2)
+        path = sum(link(a, b) for a, b in zip(order, order[1:], strict=False))
+        back = link(order[-1], order[0]) if k > 1 and n > 1 else 0.0
+        return head_rtt[order[0]] / 2 + k * path + (k - 1) * back + head_rtt[order[-1]] / 2
 
     given = list(range(n))
     if n <= 2:  # head -> a -> b -> head costs the same either way round

@@ -11,7 +11,7 @@ import os
 import secrets
 import shutil
 import subprocess
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 FINGERPRINT_HEX = 16  # 64 bits of sha256: enough to tell models apart, short for TXT records
@@ -66,6 +66,39 @@ def _stat_field(path: Path, name: str) -> int:
     return 0
 
 
+def _cgroup_dirs(controller: str, proc_cgroup: str | Path, fs_root: str | Path
+                 ) -> Iterator[tuple[bool, Path]]:
+    """(cgroup v2?, directory) of this process's cgroup for ``controller`` and of each of its
+    ancestors up to the hierarchy's mount, own cgroup first: the v2 hierarchy (``0::path``,
+    mounted at ``fs_root``) and the v1 hierarchy holding ``controller`` (mounted at
+    ``fs_root/<controller>`` or, where controllers share one, ``fs_root/cpu,cpuacct``-style).
+    Nothing when ``proc_cgroup`` cannot be read."""
+    fs_root = Path(fs_root)
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        return
+    for line in lines:
+        hid, _, rest = line.partition(":")
+        controllers, _, rel = rest.partition(":")
+        if hid == "0" and controllers == "":  # v2: one hierarchy, files in every cgroup
+            v2, base = True, fs_root
+        elif controller in controllers.split(","):
+            v2, base = False, fs_root / controller
+            if not base.is_dir() and (fs_root / controllers).is_dir():
+                base = fs_root / controllers
+        else:
+            continue
+        here = base / rel.lstrip("/")
+        if not here.is_dir():  # in a container the namespace's own cgroup is the mount's root
+            here = base
+        while True:
+            yield v2, here
+            if here == base or base not in here.parents:
+                break
+            here = here.parent
+
+
 def cgroup_room(proc_cgroup: str | Path = "/proc/self/cgroup",
                 fs_root: str | Path = "/sys/fs/cgroup") -> int | None:
     """The room this process's memory cgroups leave: over its cgroup and every ancestor with a
@@ -73,44 +106,75 @@ def cgroup_room(proc_cgroup: str | Path = "/proc/self/cgroup",
     the inactive file pages, is not counted as used). cgroup v2 (``memory.max``,
     ``memory.current``) and v1 (``memory.limit_in_bytes``, ``memory.usage_in_bytes``). None
     when no limit applies or cgroups cannot be read."""
-    fs_root = Path(fs_root)
-    try:
-        lines = Path(proc_cgroup).read_text().splitlines()
-    except OSError:
-        return None
     rooms: list[int] = []
-    for line in lines:
-        hid, _, rest = line.partition(":")
-        controllers, _, rel = rest.partition(":")
-        if hid == "0" and controllers == "":  # v2: one hierarchy, files in every cgroup
-            base, limit_f, usage_f, inactive = fs_root, "memory.max", "memory.current", \
-                "inactive_file"
-        elif "memory" in controllers.split(","):  # v1: the memory controller's hierarchy
-            base, limit_f, usage_f, inactive = fs_root / "memory", "memory.limit_in_bytes", \
-                "memory.usage_in_bytes", "total_inactive_file"
-        else:
-            continue
-        here = base / rel.lstrip("/")
-        if not here.is_dir():  # in a container the namespace's own cgroup is the mount's root
-            here = base
-        while True:
-            limit = _read_int(here / limit_f)
-            if limit is not None and limit < _NO_LIMIT:
-                used = _read_int(here / usage_f) or 0
-                used -= min(used, _stat_field(here / "memory.stat", inactive))
-                rooms.append(max(0, limit - used))
-            if here == base or base not in here.parents:
-                break
-            here = here.parent
+    for v2, here in _cgroup_dirs("memory", proc_cgroup, fs_root):
+        limit_f, usage_f, inactive = (("memory.max", "memory.current", "inactive_file") if v2
+                                      else ("memory.limit_in_bytes", "memory.usage_in_bytes",
+                                            "total_inactive_file"))
+        limit = _read_int(here / limit_f)
+        if limit is not None and limit < _NO_LIMIT:
+            used = _read_int(here / usage_f) or 0
+            used -= min(used, _stat_field(here / "memory.stat", inactive))
+            rooms.append(max(0, limit - used))
     return min(rooms) if rooms else None
 
 
-def free_vram_bytes() -> int | None:
+def cpu_quota(proc_cgroup: str | Path = "/proc/self/cgroup",
+              fs_root: str | Path = "/sys/fs/cgroup") -> tuple[float, float] | None:
+    """The CFS quota that holds this process: (cores, period in seconds) of the tightest quota
+    over its cgroup and every ancestor (0.25 cores: a quarter of one core, run in bursts of
+    0.25 x period). v2 ``cpu.max`` ("quota period", "max" for none), v1 ``cpu.cfs_quota_us``
+    / ``cpu.cfs_period_us`` (-1 for none). A container's ``--cpus`` and a systemd
+    ``CPUQuota`` are such quotas. None when no quota applies or cgroups cannot be read."""
+    found: list[tuple[float, float]] = []
+    for v2, here in _cgroup_dirs("cpu", proc_cgroup, fs_root):
+        if v2:
+            try:
+                quota, _, period = (here / "cpu.max").read_text().strip().partition(" ")
+            except OSError:
+                continue
+            q, p = (int(quota), int(period)) if quota.isdigit() and period.isdigit() else (0, 0)
+        else:
+            q = _read_int(here / "cpu.cfs_quota_us") or 0  # -1 (no quota) reads as None
+            p = _read_int(here / "cpu.cfs_period_us") or 0
+        if q > 0 and p > 0:
+            found.append((q / p, p / 1e6))
+    return min(found) if found else None
+
+
+def cpu_quota_cores(proc_cgroup: str | Path = "/proc/self/cgroup",
+                    fs_root: str | Path = "/sys/fs/cgroup") -> float | None:
+    """The CPU this process's cgroups allow, in cores (``cpu_quota``), or None."""
+    quota = cpu_quota(proc_cgroup, fs_root)
+    return None if quota is None else quota[0]
+
+
+def unified_memory(root: str | Path = "/") -> bool:
+    """Whether the GPU shares the machine's RAM (NVIDIA Jetson / Tegra boards): the device tree
+    names a Tegra SoC or a Jetson board, or L4T's ``/etc/nv_tegra_release`` is there. There
+    the GPU's memory is the pool ``free_ram_bytes`` already counts."""
+    root = Path(root)
+    if (root / "etc/nv_tegra_release").is_file():
+        return True
+    for name in ("proc/device-tree/model", "proc/device-tree/compatible"):
+        try:
+            text = (root / name).read_bytes().decode("ascii", "replace").lower()
+        except OSError:
+            continue
+        if "tegra" in text or "jetson" in text:
+            return True
+    return False
+
+
+def free_vram_bytes(root: str | Path = "/") -> int | None:
     """Free memory of discrete NVIDIA GPUs (sum over devices), or None where not detectable.
 
-    Unified-memory devices (Apple silicon, Jetson) have no separate VRAM: their budget is the
-    free RAM, so None is the honest answer there.
+    Unified-memory devices (Apple silicon, Jetson: ``unified_memory``) have no separate VRAM:
+    their budget is the free RAM, so None is the honest answer there, and the one pool is
+    counted once (a Jetson's ``nvidia-smi``, where there is one, would report that same pool).
     """
+    if unified_memory(root):
+        return None
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return None

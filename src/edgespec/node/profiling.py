@@ -6,14 +6,19 @@ times decode calls at batch sizes 1, 4 and 16 (the sizes a tree lap uses). Time 
 what the planner needs; a short window keeps profiling to seconds even on slow devices.
 
 The speed measured is the sustained one: each batch size decodes back to back for at least
-``SUSTAIN_S`` seconds of wall time, and the figure is that time divided by the decodes (not the
+``SUSTAIN_S`` (0.5 s) of wall time, and the figure is that time divided by the decodes (not the
 best or median call). A device held to a share of a core by a CFS quota (a container's
 ``--cpus``, a systemd ``CPUQuota``, a cgroup's ``cpu.max``) runs at full speed until the quota
-of its 100 ms period is spent and then waits for the next period, so a few short calls fit in
-one burst and look fast; 0.5 s spans five periods, enough for the quota to show within a few
-percent. Thermal throttling takes tens of seconds to minutes to set in, far longer than a
-profile should make a user wait at `ring up`: it is not measured here (a slow-down after
-forming shows in the lap timing, and `ring rebalance` re-profiles).
+of its period (100 ms unless set otherwise) is spent and then waits for the next period, so a
+few short calls fit in one burst and look fast. 0.5 s spans five 100 ms periods: the quota
+shows, and a pause the span ends on adds at most one period in five. The profile
+reads the quota itself (``info.cpu_quota``) and, under one, makes the span at least five of
+its periods (a 1 s period: 5 s per batch size), and cross-checks the result with the
+process's CPU time over the span: a quota of q cores runs that CPU time in no less than that
+time divided by q, so a span that still ran faster (a burst allowance, ``cpu.max.burst``, spent
+inside it) is taken at that bound. Thermal throttling takes tens of seconds to minutes to set
+in, far longer than a profile should make a user wait at `ring up`: it is not measured here (a
+slow-down after forming shows in the lap timing, and `ring rebalance` re-profiles).
 """
 
 from __future__ import annotations
@@ -26,16 +31,30 @@ import numpy as np
 
 #: Seconds of back-to-back decodes per batch size (see the module docstring).
 SUSTAIN_S = 0.5
+#: Under a CPU quota, the span covers at least this many of its periods (a longer period
+#: than the usual 100 ms stretches it, up to ``SUSTAIN_MAX_S``).
+SUSTAIN_PERIODS = 5
+SUSTAIN_MAX_S = 5.0
+
+
+def sustained_s(wall_s: float, cpu_s: float, quota_cores: float | None) -> float:
+    """The wall time a span of work takes when sustained: the time measured, or, under a CPU
+    quota of ``quota_cores``, at least the span's CPU time divided by the quota (what the
+    quota lets that CPU time run in once no burst is left)."""
+    if quota_cores is None or quota_cores <= 0:
+        return wall_s
+    return max(wall_s, cpu_s / quota_cores)
 
 
 def profile_layers(model: str | Path, *, cache_dir: str | Path, n_threads: int | None = None,
                    n_gpu_layers: int = 0, batch_sizes: Sequence[int] = (1, 4, 16),
                    layers: int = 2, reps: int = 3, sustain_s: float = SUSTAIN_S) -> dict:
     """Measure sustained ms per layer for each batch size (at least ``reps`` decodes and
-    ``sustain_s`` seconds each, after one warm-up call); also report free memory."""
+    ``sustain_s`` seconds each, after one warm-up call, no faster than the cgroup's CPU quota
+    allows: ``sustained_s``); also report free memory."""
     from edgespec.llm.gguf_read import fingerprint, read_info
     from edgespec.llm.shards import cut_window, shard_file_name
-    from edgespec.node.info import free_ram_bytes, free_vram_bytes
+    from edgespec.node import info as node_info
     from edgespec.node.runtime import StageRuntime
 
     model = Path(model)
@@ -44,6 +63,10 @@ def profile_layers(model: str | Path, *, cache_dir: str | Path, n_threads: int |
     fp = fingerprint(model)
     path = cut_window(model, (0, k), Path(cache_dir) / shard_file_name(0, k, fp, model.stem))
     out: dict[str, float] = {}
+    held = node_info.cpu_quota()
+    quota = None if held is None else held[0]
+    if held is not None:
+        sustain_s = max(sustain_s, min(SUSTAIN_MAX_S, SUSTAIN_PERIODS * held[1]))
     rt = StageRuntime(path, n_ctx=max(64, 2 * max(batch_sizes)), n_seq_max=1,
                       n_threads=n_threads, n_gpu_layers=n_gpu_layers)
     try:
@@ -54,16 +77,17 @@ def profile_layers(model: str | Path, *, cache_dir: str | Path, n_threads: int |
             rt.forward(tokens, pos, seqs)  # warms caches and allocations: not timed
             rt.kv_seq_rm(0, -1, -1)
             calls = 0
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()  # CPU time: every thread's
             while calls < reps or time.perf_counter() - t0 < sustain_s:
                 rt.forward(tokens, pos, seqs)
                 rt.kv_seq_rm(0, -1, -1)
                 calls += 1
-            out[str(b)] = 1e3 * (time.perf_counter() - t0) / calls / k
+            span = sustained_s(time.perf_counter() - t0, time.process_time() - c0, quota)
+            out[str(b)] = 1e3 * span / calls / k
     finally:
         rt.close()
-    return {"ms_per_layer": out, "layers_profiled": k, "free_ram": free_ram_bytes(),
-            "free_vram": free_vram_bytes(), "n_layer": info.n_layer}
+    return {"ms_per_layer": out, "layers_profiled": k, "free_ram": node_info.free_ram_bytes(),
+            "free_vram": node_info.free_vram_bytes(), "n_layer": info.n_layer}
 
 
 #: Seconds to reach and ping another member when the head asks for round trips.
