@@ -9,6 +9,7 @@ prints no empty defaults.
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import signal
@@ -182,6 +183,17 @@ def test_help_shows_no_empty_or_doubled_defaults(command):
     assert "(default: None)" not in text
     assert not re.search(r"\(default:[^()]*\) \(default:", text), text
     assert "-v, --verbose" in text
+
+
+def test_shard_help_names_the_architectures_that_can_be_cut():
+    from edgespec.cli import build_parser
+    from edgespec.cli.files import SHARD_ARCHITECTURES
+    from edgespec.llm.architectures import SUPPORTED_ARCHITECTURES
+
+    assert sorted(SHARD_ARCHITECTURES) == sorted(SUPPORTED_ARCHITECTURES)
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    text = sub.choices["shard"].description  # before wrapping, which may split "gpt-oss"
+    assert all(a in text for a in SUPPORTED_ARCHITECTURES), text
 
 
 def test_node_help_names_the_real_defaults():

@@ -26,7 +26,7 @@ N = 24
 def demo_run(real_model_path):
     env = dict(os.environ, OMP_WAIT_POLICY="passive")
     exe = str(Path(sys.executable).with_name("edgespec"))
-    # The promise: an answer and its statistics within 5 minutes of a fresh start.
+    # The demo's promise: an answer and its statistics within 5 minutes of a fresh start.
     proc = subprocess.run([exe, "demo", "--max-tokens", str(N)], capture_output=True,
                           text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -1,4 +1,4 @@
-"""The package's shape (issue 14, docs/design.md 7): head-side code apart from
+"""The package's shape (docs/design.md 7): head-side code apart from
 node-side code, no import cycle, the network kept apart from the tree core, and files short
 enough to read (or saying why not at their top).
 

@@ -238,7 +238,7 @@ def test_malformed_batches_get_error_replies(ring, keys, prompt, reference):
         (first, Message(Kind.KV_OPS, {FieldTag.KV_OPS: [KvOp(1, 0, -1, -1)],
                                       FieldTag.META: {"stage": 3}}), "bad_payload",
          "stage 3 is not hosted"),
-        (first, Message(Kind.RESULT, {FieldTag.ACCEPTED: np.zeros(1, np.int32)}),
+        (first, Message(Kind.RESULT, {FieldTag.TARGETS: np.zeros(1, np.int32)}),
          "unsupported", "does not handle RESULT"),
         (first, control_message("no_such_op"), "unknown_op", "no_such_op"),
         (first, control_message("connect", links={"9": "head"}), "bad_payload",
@@ -288,7 +288,7 @@ def test_kv_ops_of_a_batch_pruned_whole_still_reach_later_stages(ring, prompt, r
     chain = ring.chain
     chain.submit(_batch([5, 6, 7], [0, 1, 2], [[0], [0], [0]], lap=11))
     assert len(chain.next_result(timeout=60).targets) == 3
-    chain.prune([0], (), lap=12)  # same connection as the batch below: it lands first
+    chain.prune([0], lap=12)  # same connection as the batch below: it lands first
     doomed = _batch([8], [3], [[1]], lap=12)
     doomed.pre_ops = [KvOp(KvOpCode.CP, 0, 0, 3, 1)]  # seq 0 -> seq 1, positions [0, 3)
     chain.submit(doomed)

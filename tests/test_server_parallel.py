@@ -1,4 +1,4 @@
-"""`edgespec serve --parallel S` (issue 15): the server admits up to S requests at once (one per
+"""`edgespec serve --parallel S`: the server admits up to S requests at once (one per
 slot of the ring), queues up to ``max_queue`` more in arrival order and answers 429 beyond,
 frees a slot as soon as its client hangs up, and shows the slots in ``/health``, ``/v1/ring``
 and `edgespec ring status`.

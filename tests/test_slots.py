@@ -1,4 +1,4 @@
-"""Slots (issue 15): one ring serving several requests at once, each in its own range of KV
+"""Slots: one ring serving several requests at once, each in its own range of KV
 sequences, with its own engine, history and prefix reuse (``edgespec.head.slots``).
 
 Real parts throughout: the Qwen2.5-Coder-0.5B model, a real multi-process ring of two node

@@ -41,7 +41,7 @@ def server():
         raise RuntimeError("stage exploded")
 
     srv.register(Kind.KV_OPS, boom)
-    srv.register(Kind.TOKENS, lambda conn, frame: Message(Kind.RESULT, {FieldTag.ACCEPTED: frame.decode()[FieldTag.TOKENS]}))
+    srv.register(Kind.TOKENS, lambda conn, frame: Message(Kind.RESULT, {FieldTag.TARGETS: frame.decode()[FieldTag.TOKENS]}))
     with srv:
         yield srv
 
@@ -55,7 +55,7 @@ def test_request_reply_and_clean_close(server: FrameServer) -> None:
     assert c.peer_node == "srv"
     assert ping(c) == {"ok": True, "op": "health"}
     r = c.request(tokens_message([5, 6], [0, 1], seq_matrix([[0], [0]])), timeout=5)
-    assert r.kind == Kind.RESULT and r[FieldTag.ACCEPTED].tolist() == [5, 6]
+    assert r.kind == Kind.RESULT and r[FieldTag.TARGETS].tolist() == [5, 6]
     assert c._sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
     server.close()
     with pytest.raises((TransportError, AuthError)):

@@ -35,7 +35,7 @@ def health(conn: Connection, frame: Frame) -> Message:
 
 
 def echo_tokens(conn: Connection, frame: Frame) -> Message:
-    return Message(Kind.RESULT, {FieldTag.ACCEPTED: frame.decode()[FieldTag.TOKENS]})
+    return Message(Kind.RESULT, {FieldTag.TARGETS: frame.decode()[FieldTag.TOKENS]})
 
 
 def make_server(**kw) -> FrameServer:
@@ -327,7 +327,7 @@ def test_sealed_link_hides_token_ids_and_refuses_flipped_bytes(caplog: pytest.Lo
             c = connect(*relay.address, KEY, node_id=HEAD)
             assert c.sealed and c.peer_node == NODE
             r = c.request(tokens_message(PATTERN, np.arange(4), seq_matrix([[0]] * 4)), timeout=5)
-            assert r[FieldTag.ACCEPTED].tolist() == PATTERN.tolist()
+            assert r[FieldTag.TARGETS].tolist() == PATTERN.tolist()
             captured = bytes(relay.to_server) + bytes(relay.to_client)
             assert len(relay.to_server) > 4 * 4 and len(relay.to_client) > 4 * 4
             for needle in [PATTERN.tobytes(), *(int(t).to_bytes(4, "little") for t in PATTERN)]:

@@ -41,10 +41,10 @@ def roundtrip(msg: Message) -> Message:
 
 def test_tokens_roundtrip_keeps_ids_positions_seq_ids_parents() -> None:
     seqs = seq_matrix([[0, 1, 2], [1], [2], [2]], n_seq=11)
-    msg = tokens_message([151935, 7, 0, 42], [10, 11, 11, 12], seqs, [-1, 0, 0, 2], lap_id=9, segment_id=3, flags=int(Flag.FINAL_SEGMENT), meta={"t": 1})
+    msg = tokens_message([151935, 7, 0, 42], [10, 11, 11, 12], seqs, [-1, 0, 0, 2], lap_id=9, segment_id=3, flags=int(Flag.NEEDS_REPLY), meta={"t": 1})
     back = roundtrip(msg)
     assert back.kind == Kind.TOKENS and back.lap_id == 9 and back.segment_id == 3
-    assert back.flags == Flag.FINAL_SEGMENT
+    assert back.flags == Flag.NEEDS_REPLY
     np.testing.assert_array_equal(back[FieldTag.TOKENS], [151935, 7, 0, 42])
     np.testing.assert_array_equal(back[FieldTag.POSITIONS], [10, 11, 11, 12])
     np.testing.assert_array_equal(back[FieldTag.PARENTS], [-1, 0, 0, 2])
@@ -94,15 +94,13 @@ def test_f16_overflow_is_refused_not_sent_as_inf() -> None:
     assert back[FieldTag.HIDDEN][0, 0] == 1e6
 
 
-def test_kv_ops_commit_prune_result_control_roundtrip() -> None:
+def test_kv_ops_prune_result_control_roundtrip() -> None:
     ops = [KvOp(KvOpCode.CP, 3, 10, 14, 0), KvOp(KvOpCode.KEEP, 0), KvOp(KvOpCode.RM, 2, 12, -1), KvOp(KvOpCode.ADD, 1, 5, 9, -2)]
     back = roundtrip(Message(Kind.KV_OPS, {FieldTag.KV_OPS: ops}))
     assert wire.kv_ops_list(back[FieldTag.KV_OPS]) == ops
-    commit = roundtrip(Message(Kind.COMMIT, {FieldTag.ACCEPTED: [5, 6, 7], FieldTag.NODES: [0, 2, 5], FieldTag.KV_OPS: ops[:2]}, lap_id=4))
-    np.testing.assert_array_equal(commit[FieldTag.ACCEPTED], [5, 6, 7])
     prune = roundtrip(Message(Kind.PRUNE, {FieldTag.NODES: [0, 1, 4], FieldTag.TOKENS: [99]}))
     np.testing.assert_array_equal(prune[FieldTag.NODES], [0, 1, 4])
-    result = roundtrip(Message(Kind.RESULT, {FieldTag.ACCEPTED: [1, 2], FieldTag.META: {"bonus": 2}}))
+    result = roundtrip(Message(Kind.RESULT, {FieldTag.TARGETS: [1, 2], FieldTag.META: {"bonus": 2}}))
     assert result.meta == {"bonus": 2}
     ctl = roundtrip(wire.control_message("load", request_id=12, blob=b"\x00\x01chunk", model="ab12", layers=[0, 12]))
     assert ctl.meta == {"op": "load", "model": "ab12", "layers": [0, 12]} and ctl.request_id == 12
@@ -114,7 +112,7 @@ def test_kv_ops_commit_prune_result_control_roundtrip() -> None:
     "msg, match",
     [
         (Message(Kind.TOKENS, {FieldTag.TOKENS: [1], FieldTag.POSITIONS: [0]}), "lacks"),
-        (Message(Kind.RESULT, {FieldTag.ACCEPTED: [1], FieldTag.HIDDEN: np.ones((1, 2), np.float32)}), "may not carry"),
+        (Message(Kind.RESULT, {FieldTag.TARGETS: [1], FieldTag.HIDDEN: np.ones((1, 2), np.float32)}), "may not carry"),
         (tokens_message([1, 2], [0], seq_matrix([[0], [0]])), "disagree"),
         (tokens_message([-1], [0], seq_matrix([[0]])), "negative"),
         (tokens_message([1, 2], [0, 1], seq_matrix([[0], [0]]), [-1, 1]), "PARENTS"),
@@ -147,10 +145,12 @@ def test_header_validation() -> None:
         decode_header(b"XX" + hb[2:])
     with pytest.raises(WireError, match="protocol version"):
         decode_header(hb[:2] + bytes([99]) + hb[3:])
-    with pytest.raises(WireError, match="kind"):
-        decode_header(hb[:3] + bytes([200]) + hb[4:])
-    with pytest.raises(WireError, match="flag"):
-        decode_header(hb[:4] + struct.pack("<H", 0x100) + hb[6:])
+    for kind in (200, 36):  # 36: reserved, once COMMIT
+        with pytest.raises(WireError, match="kind"):
+            decode_header(hb[:3] + bytes([kind]) + hb[4:])
+    for flags in (0x100, 0x1):  # 0x1: reserved, once FINAL_SEGMENT
+        with pytest.raises(WireError, match="flag"):
+            decode_header(hb[:4] + struct.pack("<H", flags) + hb[6:])
     with pytest.raises(WireError, match="reserved"):
         decode_header(hb[:6] + b"\x01\x00" + hb[8:])
     with pytest.raises(WireError, match="maximum frame size"):
@@ -204,7 +204,7 @@ def test_fuzzed_payloads_raise_only_wire_error() -> None:
 
 
 def test_header_roundtrip_keeps_every_field() -> None:
-    h = FrameHeader(Kind.HIDDEN, 3, 2**32 - 1, 123, 7, 2**64 - 1, 99)
+    h = FrameHeader(Kind.HIDDEN, int(Flag.NEEDS_REPLY), 2**32 - 1, 123, 7, 2**64 - 1, 99)
     assert decode_header(h.pack()) == h
 
 
@@ -233,7 +233,7 @@ def test_deeply_nested_json_is_a_wire_error_not_a_recursion_error() -> None:
 
 
 # ----------------------------------------------------------------------------- golden bytes
-# Frames as the codec encoded them before its per-hop fast paths (issue #19): the fast paths
+# Frames as the codec encoded them before its per-hop fast paths: the fast paths
 # must not change one byte on the wire. Cover each data kind, every hidden encoding, SEQ_IDS
 # one-per-row and several-per-row (wider than one byte), KV_OPS as list and array, and the
 # META layouts the ring sends (sampling, want, stage, lap-timing stamps).

@@ -47,9 +47,10 @@ def _same_batch(x: Batch, y: Batch) -> None:
 
 def test_core_numbers_are_the_wire_modules():
     # csrc/frames.cpp spells the kinds, tags, encodings and KV codes as numbers.
-    assert (Kind.TOKENS, Kind.HIDDEN) == (32, 33)
+    # (TAG_ACCEPTED there is FieldTag.TARGETS here.)
+    assert (Kind.TOKENS, Kind.HIDDEN, Kind.RESULT) == (32, 33, 34)
     assert [FieldTag[t] for t in ("TOKENS", "POSITIONS", "SEQ_IDS", "PARENTS", "HIDDEN",
-                                  "KV_OPS", "NODES", "META")] == [1, 2, 3, 4, 5, 6, 8, 9]
+                                  "KV_OPS", "TARGETS", "NODES", "META")] == [1, 2, 3, 4, 5, 6, 7, 8, 9]
     assert (Encoding.I32, Encoding.F32, Encoding.BITS, Encoding.JSON) == (1, 2, 5, 6)
     assert (KvOpCode.RM, KvOpCode.CP, KvOpCode.KEEP, KvOpCode.ADD) == (1, 2, 3, 4)
     assert (KvOpCode.PARK, KvOpCode.RESTORE) == (5, 6)
@@ -172,7 +173,7 @@ def test_result_frames_are_the_codecs(monkeypatch):
         assert h2 == h and raw == b"".join(bytes(c) for c in ch2)
         ref = decode_payload(h, raw)
         assert got.fields.keys() == ref.fields.keys() and got.meta == ref.meta
-        for tag in (FieldTag.ACCEPTED, FieldTag.NODES):
+        for tag in (FieldTag.TARGETS, FieldTag.NODES):
             assert np.array_equal(got.fields[tag], ref.fields[tag])
 
 
@@ -194,7 +195,7 @@ def test_corrupted_results_are_refused_exactly_as_the_codec_refuses_them(monkeyp
             try:
                 m = decode_payload(h, raw)
                 out.append((sorted(m.fields), m.meta, [np.asarray(m.fields[t]).tolist() for t in
-                                                      (FieldTag.ACCEPTED, FieldTag.NODES)
+                                                      (FieldTag.TARGETS, FieldTag.NODES)
                                                       if t in m.fields]))
             except WireError:
                 out.append(None)

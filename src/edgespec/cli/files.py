@@ -96,12 +96,19 @@ def _shard(args: argparse.Namespace) -> int:
     return 0
 
 
+#: What ``edgespec.llm.architectures`` can cut (its SUPPORTED_ARCHITECTURES, which a test
+#: keeps this equal to), spelled out so that ``--help`` does not import the GGUF reader.
+SHARD_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3",
+                       "deepseek2", "gpt-oss")
+
+
 def _add_shard(sub) -> None:
     p = _add(sub, "shard", "cut a GGUF model into layer windows (one file per stage)",
              "Writes one GGUF per layer window plus manifest.json (model fingerprint, ranges, "
              "sha256 of each shard). Middle windows carry a stub vocabulary and no output "
-             "head; the first keeps the token embeddings, the last the real head. qwen2 and "
-             "llama architectures are supported.", func=_shard)
+             "head; the first keeps the token embeddings, the last the real head. Supported "
+             f"architectures: {', '.join(SHARD_ARCHITECTURES)}; others are refused.",
+             func=_shard)
     p.add_argument("model", help="full GGUF model file")
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--stages", type=int, help="number of even layer windows")

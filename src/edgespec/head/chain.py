@@ -10,8 +10,9 @@ the same contract, which is what lets the speculative engine stay ignorant of so
 - ``next_result()``: the last stage's answer for the next batch, in submission order: for each
   wanted row, the target model's token there (argmax when greedy, a draw from the target
   distribution when sampling). Only token ids travel back, never distributions.
-- ``prune(nodes, ops)``: FlowSpec pruning. It may overtake batches in flight: every stage drops
-  rows of pruned tree nodes from batches it has not computed yet, then applies ``ops``.
+- ``prune(nodes, lap)``: FlowSpec pruning. It may overtake batches in flight: every stage
+  drops rows of lap ``lap``'s pruned tree nodes from batches it has not computed yet. (The
+  KV operations that free their seqs go with the next batch's ``pre_ops``, in ring order.)
 - ``kv(ops)``: KV operations ordered after everything submitted so far (commit, reset).
 - ``abandon()``: give up on everything in flight (after a failure); nothing of it is
   returned by ``next_result`` any more.
@@ -52,7 +53,7 @@ class Chain(Protocol):
     def next_result(self, timeout: float | None = None) -> Result: ...
     # Whether next_result() would return (or raise) without waiting.
     def has_result(self) -> bool: ...
-    def prune(self, nodes: Iterable[int], ops: Sequence[KvOp] = (), lap: int = 0) -> None: ...
+    def prune(self, nodes: Iterable[int], lap: int = 0) -> None: ...
     def kv(self, ops: Sequence[KvOp]) -> None: ...
     def abandon(self) -> None: ...
     def close(self) -> None: ...
@@ -78,8 +79,8 @@ class LocalChain:
     def kv(self, ops: Sequence[KvOp]) -> None:
         self._queue.append(list(ops))
 
-    def prune(self, nodes: Iterable[int], ops: Sequence[KvOp] = (), lap: int = 0) -> None:
-        self.worker.prune(lap, nodes, ops)
+    def prune(self, nodes: Iterable[int], lap: int = 0) -> None:
+        self.worker.prune(lap, nodes, ())
 
     def next_result(self, timeout: float | None = None) -> Result:
         while self._queue:

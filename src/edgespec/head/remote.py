@@ -270,7 +270,7 @@ class RemoteChain:
                                                          FieldTag.META: {"stage": 0}},
                                           lap_id=self._kv_lap))
 
-    def prune(self, nodes: Iterable[int], ops: Sequence[KvOp] = (), lap: int = 0) -> None:
+    def prune(self, nodes: Iterable[int], lap: int = 0) -> None:
         arr = np.fromiter((int(n) for n in nodes), dtype=np.int32)
         if not len(arr):
             return

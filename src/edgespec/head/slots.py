@@ -1,5 +1,5 @@
-"""Slots: one ring serving ``S`` sequences at once (issue 15; docs/design.md 3, "KV
-discipline", holds per slot).
+"""Slots: one ring serving ``S`` sequences at once (docs/design.md 3, "KV discipline",
+holds per slot).
 
 Over 450 lines: the slot's view of the chain (``SlotChain``), result routing (``Demux``) and
 admission (``SlotPool``) share one partition of seq ids and laps; apart, each would restate
@@ -219,10 +219,10 @@ class SlotChain:
             except TransportError as e:
                 raise NodeLost(f"the ring's chain is gone: {e}") from e
 
-    def prune(self, nodes: Iterable[int], ops: Sequence[KvOp] = (), lap: int = 0) -> None:
+    def prune(self, nodes: Iterable[int], lap: int = 0) -> None:
         if self.parked:  # prunes apply out of order: the cells come back first
             self.kv(())
-        self.demux.chain.prune(nodes, self._ops(ops), lap=lap)
+        self.demux.chain.prune(nodes, lap=lap)
 
     def has_result(self) -> bool:
         d = self.demux

@@ -38,6 +38,8 @@ class NodeView:
     held: dict[int, tuple[int, ...]] = field(default_factory=dict)
     holder: dict | None = None
     node_id: str | None = None
+    # Bytes the node may still take: the smaller of MemAvailable and its memory cgroup's room
+    # (node/info.free_ram_bytes), the figure the planner plans with.
     free_ram: int | None = None
     rss: int | None = None
     rtt_ms: float | None = None

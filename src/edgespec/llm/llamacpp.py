@@ -1,8 +1,11 @@
 """The one place edgespec loads llama.cpp models and creates contexts (through llama-cpp-python).
-Over 450 lines: it is the only llama_cpp importer (docs/design.md 3.6, 3.7), on purpose.
+Over 450 lines: loading, contexts and the settings they need stay together (docs/design.md
+3.6, 3.7), on purpose.
 
-Every other module calls these helpers instead of llama_cpp directly, so the machine-specific
-safety settings live in one spot:
+It imports llama_cpp first: :mod:`edgespec.llm.capi` (the per-decode C functions) and
+:mod:`edgespec.llm.tokenizer` import it only after this module, and nothing outside
+``edgespec.llm`` imports it. Every model and context is made by these helpers, so the
+machine-specific safety settings live in one spot:
 
 * ``OMP_WAIT_POLICY=passive`` is set *before* llama_cpp is imported (docs/design.md 3.7): with OpenMP's
   default busy-waiting, several stage contexts on one host spin against each other and one decode
@@ -262,9 +265,10 @@ def mmap_default(extra_bufts: bool, n_gpu_layers: int = 0) -> bool:
     into buffers of their own; with the file mapped, the pages it read them from stay resident
     beside the copies until memory runs short, so a device looks (and, to a cgroup limit that
     counts page cache, is) twice as full. Reading the file instead puts every weight in memory
-    once: a middle window of the 1.5B (Q4_K_M, repacked) peaked at 494 MiB mapped and 293 MiB
-    read, loading in the same 0.2 s (``bench/device_memory.py``; llama.cpp's direct I/O mode
-    loaded 2x slower for the same memory). ``EDGESPEC_MMAP=0|1`` overrides."""
+    once: the 1.5B (Q4_K_M, repacked) split 3 ways at n_ctx 4096 peaked at 873 / 537 / 899 MiB
+    per window mapped and 682 / 338 / 709 MiB read, loads within half a second of each other
+    (0.5-1.5 s on 2 EPYC cores, ``bench/device_memory.py``; llama.cpp's direct I/O mode loaded
+    2x slower for the same memory). ``EDGESPEC_MMAP=0|1`` overrides."""
     env = os.environ.get("EDGESPEC_MMAP", "")
     if env in ("0", "1"):
         return env == "1"

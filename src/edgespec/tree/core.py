@@ -188,10 +188,6 @@ class Verifier:
         tokens, parents = tree.structure()
         return Verification(self.config, tree.root_pos, tokens, parents)
 
-    def start_rows(self, root_pos: int, tokens: Any, parents: Any) -> Verification:
-        """A step-wise verification from the tree structure as it travels (tokens, parents)."""
-        return Verification(self.config, root_pos, tokens, parents)
-
     def verify(self, tree: TokenTree, logits: np.ndarray) -> Decision:
         """Whole-tree verification: ``logits[r]`` is the target's row for tree row ``r``."""
         return self.start(tree).feed(logits, 0)

@@ -3,7 +3,7 @@
 Over 450 lines: the per-kind schemas, the encoder and the decoder check one another through
 one shared validation and read best side by side (the KV-op helpers at the end are the KV_OPS
 field's array form of ``edgespec.tree.kvop.KvOp``). Both run on every link of every lap, so
-they read tables built once from the schemas ("per-hop tables", issue #19).
+they read tables built once from the schemas ("per-hop tables" below).
 
 A payload (see ``edgespec.wire.header`` for the frame around it) is a sequence of *fields*.
 Each field is::
@@ -62,7 +62,7 @@ class FieldTag(IntEnum):
     PARENTS = 4  # int32 [n] tree parent index, -1 for a root, else < own index
     HIDDEN = 5  # float [n, n_embd] hidden states (f32 / f16 / q8)
     KV_OPS = 6  # int32 [m, 5] KV operations (see KvOpCode)
-    ACCEPTED = 7  # int32 [k] accepted token ids
+    TARGETS = 7  # int32 [k] the target model's token after each wanted row (RESULT)
     NODES = 8  # int32 [k] tree node indices
     META = 9  # JSON object
     BLOB = 10  # raw bytes (e.g. a shard chunk)
@@ -103,7 +103,7 @@ _FIELD_RULES: dict[FieldTag, _Rule] = {
     FieldTag.PARENTS: _I32_1D,
     FieldTag.HIDDEN: _Rule(frozenset({Encoding.F32, Encoding.F16, Encoding.Q8}), 2),
     FieldTag.KV_OPS: _Rule(frozenset({Encoding.I32}), 2, cols=5),
-    FieldTag.ACCEPTED: _I32_1D,
+    FieldTag.TARGETS: _I32_1D,
     FieldTag.NODES: _I32_1D,
     FieldTag.META: _Rule(frozenset({Encoding.JSON}), 1),
     FieldTag.BLOB: _Rule(frozenset({Encoding.BYTES}), 1),
@@ -130,9 +130,8 @@ _SCHEMAS: dict[Kind, tuple[frozenset[FieldTag], frozenset[FieldTag]]] = {
         frozenset({_T.HIDDEN, _T.POSITIONS, _T.SEQ_IDS}),
         frozenset({_T.TOKENS, _T.PARENTS, _T.NODES, _T.KV_OPS, _T.META}),
     ),
-    Kind.RESULT: (frozenset({_T.ACCEPTED}), frozenset({_T.NODES, _T.META})),
+    Kind.RESULT: (frozenset({_T.TARGETS}), frozenset({_T.NODES, _T.META})),
     Kind.KV_OPS: (frozenset({_T.KV_OPS}), frozenset({_T.META})),
-    Kind.COMMIT: (frozenset({_T.ACCEPTED}), frozenset({_T.NODES, _T.KV_OPS, _T.META})),
     Kind.PRUNE: (frozenset({_T.NODES}), frozenset({_T.TOKENS, _T.META})),
 }
 # Fields whose first axis is the batch's token count; they must agree within one frame.
@@ -140,14 +139,14 @@ _PER_TOKEN = (_T.TOKENS, _T.POSITIONS, _T.SEQ_IDS, _T.PARENTS, _T.NODES, _T.HIDD
 _PER_TOKEN_KINDS = frozenset({Kind.TOKENS, Kind.HIDDEN})
 
 
-_NON_NEGATIVE = (_T.TOKENS, _T.POSITIONS, _T.ACCEPTED, _T.NODES)
+_NON_NEGATIVE = (_T.TOKENS, _T.POSITIONS, _T.TARGETS, _T.NODES)
 
 # ----------------------------------------------------------------------------- per-hop tables
 # Every batch pays this codec on every link of every lap, and in the ring it runs right after
-# llama.cpp's compute has evicted the caches, at about 4x its hot cost (issue #19). So the
-# per-field work reads plain tables built once here from the rules above: no enum constructor
-# calls, no ``.name`` lookups (a descriptor call each), no struct formats built per call, and
-# values are checked with Python's min/max where numpy's fixed cost would dominate.
+# llama.cpp's compute has evicted the caches, at about 4x its hot cost. So the per-field work
+# reads plain tables built once here from the rules above: no enum constructor calls, no
+# ``.name`` lookups (a descriptor call each), no struct formats built per call, and values are
+# checked with Python's min/max where numpy's fixed cost would dominate.
 
 
 class _Spec(NamedTuple):
@@ -367,7 +366,7 @@ def _decode_data(spec: _Spec, enc: Encoding, shape: tuple[int, ...], data: memor
 class Message:
     """A decoded frame: kind, routing ids and typed fields.
 
-    Field values: int32 arrays for TOKENS/POSITIONS/PARENTS/ACCEPTED/NODES, a bool matrix for
+    Field values: int32 arrays for TOKENS/POSITIONS/PARENTS/TARGETS/NODES, a bool matrix for
     SEQ_IDS (read-only when decoded), float arrays for HIDDEN (sent with ``hidden_encoding``), an int32 [m, 5] array or a
     list of ``KvOp`` for KV_OPS, a dict for META, bytes for BLOB.
     """
@@ -478,9 +477,9 @@ def encode_frame(msg: Message, seq: int = 0) -> tuple[FrameHeader, list[bytes | 
 def _result_payload(msg: Message) -> bytes | None:
     """A RESULT's payload from the C++ core (one call: every lap's last link, docs/design.md
     8.3), byte for byte this codec's; None when the message is not its canonical form
-    (ACCEPTED, NODES and META, int32 and non-negative), which ``_encode`` then handles."""
+    (TARGETS, NODES and META, int32 and non-negative), which ``_encode`` then handles."""
     f = msg.fields
-    acc, nodes, meta = f.get(FieldTag.ACCEPTED), f.get(FieldTag.NODES), f.get(FieldTag.META)
+    acc, nodes, meta = f.get(FieldTag.TARGETS), f.get(FieldTag.NODES), f.get(FieldTag.META)
     if (len(f) != 3 or type(acc) is not np.ndarray or type(nodes) is not np.ndarray
             or type(meta) is not dict):
         return None
@@ -501,7 +500,7 @@ def decode_payload(header: FrameHeader, payload: bytes | bytearray | memoryview)
         parsed = _core.parse_result_payload(mv)
         if parsed is not None:  # the canonical RESULT, read in one call (_result_payload)
             acc, nodes, meta_raw = parsed
-            got: dict[FieldTag, Any] = {FieldTag.ACCEPTED: acc}
+            got: dict[FieldTag, Any] = {FieldTag.TARGETS: acc}
             if nodes is not None:
                 got[FieldTag.NODES] = nodes
             if meta_raw is not None:

@@ -164,15 +164,15 @@ def message_batch(msg: Message) -> tuple[Batch, np.ndarray | None, int]:
 def result_message(batch: Batch, targets: np.ndarray) -> Message:
     """RESULT message: the target token of each wanted (and surviving) row."""
     wanted = batch.nodes[batch.want] if len(batch) else np.zeros(0, np.int32)
-    return Message(Kind.RESULT, {FieldTag.ACCEPTED: np.asarray(targets, np.int32),
+    return Message(Kind.RESULT, {FieldTag.TARGETS: np.asarray(targets, np.int32),
                                  FieldTag.NODES: np.asarray(wanted, np.int32)},
                    lap_id=batch.lap, segment_id=batch.segment)
 
 
 def message_result(msg: Message) -> Result:
-    targets = np.asarray(msg[FieldTag.ACCEPTED], np.int32)
+    targets = np.asarray(msg[FieldTag.TARGETS], np.int32)
     nodes = np.asarray(msg.fields.get(FieldTag.NODES, np.zeros(0, np.int32)), np.int32)
     if len(nodes) != len(targets):
-        raise ValueError("RESULT: NODES and ACCEPTED differ in length")
+        raise ValueError("RESULT: NODES and TARGETS differ in length")
     return Result(msg.lap_id, msg.segment_id, nodes, targets,
                   stamps_from_meta(msg.meta.get("timing")), now())

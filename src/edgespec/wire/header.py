@@ -64,12 +64,12 @@ class Kind(IntEnum):
     CLOSE = 9  # either way: orderly goodbye
     CONTROL = 16  # {"op": load|profile|health|shutdown|...}, optional blob (shard chunks)
     REPLY = 17  # answer to CONTROL, same request id
-    TOKENS = 32  # head -> stage 0: token ids, positions, seq ids (+ tree parents)
-    HIDDEN = 33  # stage -> stage: hidden states, positions, seq ids (+ ids, parents for verifier)
-    RESULT = 34  # last stage -> head: accepted token ids (+ accepted node indices)
+    TOKENS = 32  # head -> stage 0: token ids, positions, seq ids (+ tree node ids, KV ops)
+    HIDDEN = 33  # stage -> stage: hidden states, positions, seq ids (+ tree node ids, KV ops)
+    RESULT = 34  # last stage -> head: target token per wanted row (+ their tree node ids)
     KV_OPS = 35  # explicit KV cache operation list for a stage
-    COMMIT = 36  # accepted path: ids (+ node indices, KV ops) applied by every stage
-    PRUNE = 37  # FlowSpec pruning: surviving node indices (+ new token)
+    # 36: reserved (was COMMIT, never sent; commits travel as KV_OPS). Do not reuse.
+    PRUNE = 37  # FlowSpec pruning: tree node indices whose rows every stage drops
 
 
 HANDSHAKE_KINDS = frozenset({Kind.HELLO, Kind.CHALLENGE, Kind.AUTH, Kind.WELCOME, Kind.ERROR})
@@ -79,11 +79,11 @@ class Flag(IntFlag):
     """Frame flags."""
 
     NONE = 0
-    FINAL_SEGMENT = 1  # last segment of a lap
+    # 1: reserved (was FINAL_SEGMENT, never set). Do not reuse.
     NEEDS_REPLY = 2  # the sender waits for an answer with the same request id
 
 
-KNOWN_FLAGS = int(Flag.FINAL_SEGMENT | Flag.NEEDS_REPLY)
+KNOWN_FLAGS = int(Flag.NEEDS_REPLY)
 
 
 class FrameHeader(NamedTuple):

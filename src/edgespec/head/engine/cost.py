@@ -37,7 +37,7 @@ class CostModel:
     #: (``bench/row_cost_curve.py``, docs/design.md 3.8). Budgets 4, 8, ... 64 made every
     #: lap one row past a block: in one A/B run sync at one client took 426 ms a lap with 15
     #: nodes against 497 with 16 and ran at 11.6 tok/s against 10.8
-    #: (``bench/results/issue15_budget_ab.md``).
+    #: (``bench/results/concurrency_bench_tree_budgets.md``).
     BUDGETS = (3, 7, 15, 31, 63)
 
     def __init__(self, lap_ms: tuple[float, float] = (60.0, 2.0), draft_ms_per_node: float = 0.05,
@@ -72,9 +72,10 @@ class CostModel:
         """A lap of ``rows`` rows took ``ms``. Laps of a request that shared the ring
         (``users`` > 1 at its start or end) are not fitted: they include waiting behind the
         other requests' batches, which ``rate`` charges separately, and that inflated cost
-        would stay in the fit once the request is alone again (stop 21, in one of two full
-        runs: after the many-client cells one client's sync request chose trees of 16 nodes
-        where the FIFO ring chose 8 for the same prompt, and took 21.2 s against 10.4)."""
+        would stay in the fit once the request is alone again (seen in one of two full
+        concurrency-bench runs: after the many-client cells one client's sync request chose
+        trees of 16 nodes where the FIFO ring chose 8 for the same prompt, and took 21.2 s
+        against 10.4)."""
         if users > 1:
             return
         with self._lock:

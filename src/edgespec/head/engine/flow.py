@@ -108,7 +108,7 @@ class FlowMode:
                     raise
                 if rnd.outstanding:
                     stale[rnd.lap] += len(rnd.outstanding)
-                self.chain.prune(range(rnd.sent_rows), (), lap=rnd.lap)
+                self.chain.prune(range(rnd.sent_rows), lap=rnd.lap)
                 self._pending_ops.append(KvOp(KvOpCode.KEEP, 0))
                 raise
             # (No observe_lap here: a flow step overlaps many segments, so its duration is
@@ -116,7 +116,7 @@ class FlowMode:
             if rnd.outstanding:
                 # Everything still in flight belongs to a decided tree: drop it on the way.
                 stale[rnd.lap] += len(rnd.outstanding)
-                self.chain.prune(range(rnd.sent_rows), (), lap=rnd.lap)
+                self.chain.prune(range(rnd.sent_rows), lap=rnd.lap)
             gained = self._finish_tree(rnd, decision)
             root = gained[-1]
             yield gained[streamed:]
@@ -132,7 +132,7 @@ class FlowMode:
         if len(dead):
             # Rows die at once everywhere (direct message); their seqs are freed in ring
             # order (pre_ops of the next batch), behind any of their rows still in flight.
-            self.chain.prune(dead.tolist(), (), lap=rnd.lap)
+            self.chain.prune(dead.tolist(), lap=rnd.lap)
             self.stats.rows_pruned += len(dead)
             self._pending_ops.extend(KvOp.rows(plan.ops))
         rnd.frontier = int(d.path[-1])
@@ -148,8 +148,9 @@ class FlowMode:
     #: How much less waste each further request decoding allows (_ahead_limit). 1.5B/0.5B,
     #: 4 stages, 10 ms per hop, 4 clients on 4 slots, two reps each (tok/s): 0 -> 15.95,
     #: 14.59; 0.1 -> 16.75, 15.34; 0.25 -> 17.52, 16.78; 0.4 -> 16.21, 15.08; 0.6 -> 15.57,
-    #: 15.16 (the rep-to-rep noise is about 1 tok/s). Stop 15 tried 1 - 0.7/k (about 0.37
-    #: here) once, with different prompts on the two rings it compared, and took it out.
+    #: 15.16 (the rep-to-rep noise is about 1 tok/s). A shrink of 1 - 0.7/k (about 0.37
+    #: here) was tried once, with different prompts on the two rings it compared, and taken
+    #: out.
     AHEAD_SHARED = 0.25
     #: Draft ahead along the likeliest leaf only (a chain), not best-first over the whole
     #: subtree: siblings were wasted rows more often than saved laps (10 ms hops, 4 prompts,
