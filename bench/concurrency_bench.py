@@ -1,4 +1,4 @@
-"""Concurrency benchmark (issue 15): 1, 2, 4 and 8 concurrent clients against one ring, slots
+"""Concurrency benchmark: 1, 2, 4 and 8 concurrent clients against one ring, slots
 (``parallel=S``) against today's one-request-at-a-time ring (``parallel=1``, the FIFO
 baseline), in the same run.
 
@@ -23,14 +23,15 @@ choices move a one-client ratio by themselves); the requests of a pair then visi
 rings in each of their six orders in turn. A one-client cell of equally long answers also
 gives ``x_fifo_ci90``, a 90% bootstrap interval of its ratio over the pairs (in the table
 in brackets). Clients are admitted as
-``edgespec serve`` admits them (its gate: up to S at once, the rest wait in arrival order);
+``edgespec serve`` admits them (the ring's scheduler: up to S at once, the rest wait in
+arrival order);
 ``--via http`` sends them through a real ``edgespec serve`` app (uvicorn, in this process) over
 HTTP streaming instead of the Python API. Every prompt starts with its own comment line
 (``# request <mode>-<clients>-<client>-<n>``), so no request reuses another's KV cache (each pays
 its whole prefill), and both rings of a cell get the same prompts. Every answer is ``--tokens``
 long (``ignore_eos``, an option of vLLM's serving benchmark too): with C clients on C slots, a
 cell lasts as long as its busiest client, so answers that stop at their own end would measure
-how unevenly long they happen to be (stop 15: one client's two answers were 28 and 61 tokens,
+how unevenly long they happen to be (in one run one client's two answers were 28 and 61 tokens,
 another's 111 and 128) rather than the ring. ``--stop-at-eos`` lets them end on their own.
 
 Per cell: aggregate tokens/s (all tokens / first submit to last token), per-request tokens/s
@@ -74,34 +75,28 @@ import numpy as np  # noqa: E402
 from bench import projection as projection_mod  # noqa: E402
 from bench.ring_bench import Links, humaneval_prompts, machine_info  # noqa: E402
 from edgespec.head.engine.cost import CostModel  # noqa: E402
-from edgespec.server.gate import _Gate  # noqa: E402  (the server's admission)
 
 # ----------------------------------------------------------------------------- clients
 
 
 class _Api:
-    """Requests through the Python API, admitted by the server's gate."""
+    """Requests through the Python API, admitted by the ring's scheduler as the server's are."""
 
     def __init__(self, ring: Any, parallel: int, ignore_eos: bool) -> None:
-        self.ring, self.gate = ring, _Gate(max_queue=4096, parallel=parallel)
+        self.ring = ring
         self.ignore_eos = ignore_eos
 
     def run(self, prompt: str, n_tokens: int, mode: str) -> dict[str, Any]:
         tokens = self.ring.tokenizer.encode(prompt, add_special=True, parse_special=False)
         t0 = time.perf_counter()
-        ticket = self.gate.try_enter()
-        assert ticket is not None and self.gate.wait_turn(ticket)
-        try:
-            t_in = time.perf_counter()
-            stream = self.ring.stream_tokens(tokens, max_tokens=n_tokens, temperature=0.0,
-                                             spec=mode, ignore_eos=self.ignore_eos)
-            first = None
-            for _piece in stream:
-                first = first or time.perf_counter()
-            end = time.perf_counter()
-        finally:
-            self.gate.leave()
+        stream = self.ring.stream_tokens(tokens, max_tokens=n_tokens, temperature=0.0,
+                                         spec=mode, ignore_eos=self.ignore_eos)
+        first = None
+        for _piece in stream:
+            first = first or time.perf_counter()
+        end = time.perf_counter()
         st = stream.result.stats
+        t_in = t0 + st.queue_ms / 1e3  # the wait for a slot
         return {"t_submit": t0, "t_admitted": t_in, "t_first": first or end, "t_end": end,
                 "tokens": st.tokens, "prompt_tokens": len(tokens), "stats": st.as_dict(),
                 "ttft_ms": getattr(st, "ttft_ms", None)}

@@ -1,4 +1,4 @@
-"""Does one draft-model batch for several slots cost less than one batch per slot? (issue 15)
+"""Does one draft-model batch for several slots cost less than one batch per slot?
 
 A ring with ``S`` slots drafts for up to ``S`` requests at once. Separate contexts (one per
 slot) each run their own ``llama_decode``; one shared context could take the rows of every

@@ -1,4 +1,4 @@
-"""Lap benchmark (issue 19): what a ring costs per lap next to the unsplit model, and whether
+"""Lap benchmark: what a ring costs per lap next to the unsplit model, and whether
 ``auto`` ever loses to ``none``.
 
     .venv/bin/python -m bench.lap_bench                       # both parts, defaults below
@@ -7,10 +7,8 @@
         --draft qwen2.5-coder-0.5b --stages 4 --hop-ms 10 --modes none,flow,auto
 
 To compare with another commit, run this benchmark from a worktree of that commit (its own
-virtualenv, its own ``EDGESPEC_HOME`` for shards) alternately with this tree, as
-``bench/results/ring_bench_issue14_before_after.json`` records for the ring benchmark. (An
-earlier ``--before FILE`` loaded an old engine file into this tree; the engine is a package now,
-``head/engine/``, so a single file no longer is an engine.)
+virtualenv or a copy of the built core, its own ``EDGESPEC_HOME`` for shards) alternately with
+this tree (docs/experiments.md says how each comparison was run).
 
 Part ``overhead`` (mode none, plain loopback, no link emulator): per model, the unsplit model in
 one ``llama_cpp.Llama`` (``single``, one thread, greedy) and rings of 1, 2, 4 node processes (one

@@ -1,4 +1,4 @@
-"""Ring benchmark (issue 8): tokens/s of a split model over emulated links, mode by mode.
+"""Ring benchmark: tokens/s of a split model over emulated links, mode by mode.
 
     .venv/bin/python -m bench.ring_bench --quick            # a few minutes: 0.5B, 2 stages
     .venv/bin/python -m bench.ring_bench --target qwen2.5-coder-1.5b \

@@ -1,4 +1,4 @@
-"""Does KV that idle slots keep slow the decodes of a busy one? (issue 15, docs/design.md 5.8)
+"""Does KV that idle slots keep slow the decodes of a busy one? (docs/design.md 5.8)
 
 A ring's slots share each stage's unified KV cache; an idle slot keeps its last conversation's
 cells for prefix reuse. llama.cpp attends over the cache's used span (its ``n_kv``), masking

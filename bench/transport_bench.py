@@ -52,7 +52,7 @@ def one_token(n_embd: int = 896, encoding: str = "f16") -> wire.Message:
 
 
 def tree_frame(rows: int = 64, n_embd: int = 896, encoding: str = "f16", leaves: int = 16) -> wire.Message:
-    """A verification batch as a middle stage sees it: ``rows`` tree nodes (token ids, parents,
+    """A verification batch as a middle stage sees it: ``rows`` tree nodes (token ids,
     positions, one sequence per leaf) with their hidden states."""
     rng = np.random.default_rng(1)
     parents = np.array([-1] + [int(rng.integers(0, i)) for i in range(1, rows)], np.int32)
@@ -61,7 +61,7 @@ def tree_frame(rows: int = 64, n_embd: int = 896, encoding: str = "f16", leaves:
         depth[i] = depth[parents[i]] + 1
     seqs = [[i % leaves] for i in range(rows)]
     h = rng.standard_normal((rows, n_embd)).astype(np.float32)
-    return hidden_message(h, 100 + depth, seq_matrix(seqs, leaves), encoding=encoding, tokens=rng.integers(0, 150000, rows), parents=parents)
+    return hidden_message(h, 100 + depth, seq_matrix(seqs, leaves), encoding=encoding, tokens=rng.integers(0, 150000, rows))
 
 
 def frame_size(msg: wire.Message, sealed: bool = True) -> int:
@@ -133,7 +133,7 @@ def edgespec_ring(msg: wire.Message, laps: int, decode: bool, seal: bool) -> lis
             # A compute stage: decode the hidden states to float32, build and encode a new frame.
             def handler(conn, frame, link=link):
                 m = frame.decode()
-                link.send(hidden_message(m[FieldTag.HIDDEN], m[FieldTag.POSITIONS], m[FieldTag.SEQ_IDS], encoding=m.hidden_encoding, tokens=m.fields.get(FieldTag.TOKENS), parents=m.fields.get(FieldTag.PARENTS), lap_id=m.lap_id))
+                link.send(hidden_message(m[FieldTag.HIDDEN], m[FieldTag.POSITIONS], m[FieldTag.SEQ_IDS], encoding=m.hidden_encoding, tokens=m.fields.get(FieldTag.TOKENS), lap_id=m.lap_id))
         else:
 
             def handler(conn, frame, link=link):
@@ -298,7 +298,7 @@ def main() -> int:
         "rounds": args.rounds,  # alternating sealed/plaintext repetitions (not a ring round)
     }
     report["one_token_hop"] = {"message": "HIDDEN, 1 token, n_embd 896, f16", **side_by_side(one_token(896, "f16"), args.laps, args.rounds)}
-    report["tree64_hop"] = {"message": "HIDDEN, 64-row tree (token ids, parents, 16 leaf sequences), n_embd 896, f16", **side_by_side(tree_frame(64, 896, "f16"), args.laps, args.rounds)}
+    report["tree64_hop"] = {"message": "HIDDEN, 64-row tree (token ids, 16 leaf sequences), n_embd 896, f16", **side_by_side(tree_frame(64, 896, "f16"), args.laps, args.rounds)}
     report["machine"]["load_avg_end"] = list(os.getloadavg())
 
     sizes = {}

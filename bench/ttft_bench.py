@@ -1,4 +1,4 @@
-"""Time to first token for a long prompt (issue 15): alone, and while other requests decode.
+"""Time to first token for a long prompt: alone, and while other requests decode.
 
     .venv/bin/python -m bench.ttft_bench                       # 1.5B target, 0.5B draft,
                                                               # 4 stages, 10 ms per hop

@@ -19,8 +19,8 @@ namespace {
 // compare these with the enums there.
 enum WireKind : int { KIND_TOKENS = 32, KIND_HIDDEN = 33, KIND_RESULT = 34 };
 enum WireTag : int {
-    TAG_TOKENS = 1, TAG_POSITIONS = 2, TAG_SEQ_IDS = 3, TAG_PARENTS = 4, TAG_HIDDEN = 5,
-    TAG_KV_OPS = 6, TAG_ACCEPTED = 7, TAG_NODES = 8, TAG_META = 9,
+    TAG_TOKENS = 1, TAG_POSITIONS = 2, TAG_SEQ_IDS = 3, TAG_RESERVED = 4, TAG_HIDDEN = 5,
+    TAG_KV_OPS = 6, TAG_TARGETS = 7, TAG_NODES = 8, TAG_META = 9,
 };
 enum WireEncoding : int { ENC_I32 = 1, ENC_F32 = 2, ENC_BITS = 5, ENC_JSON = 6 };
 
@@ -228,7 +228,7 @@ bool read_fields(const uint8_t *base, size_t end, Field (&f)[10], Takes takes) {
 // from: (tokens or None, positions, seq ids [n, k] padded with -1, seq counts, nodes or None,
 // hidden float32 [n, E] (a view of the payload) or None, KV ops [m, 5] or None, META's JSON
 // bytes or None). None when the payload is anything but the canonical form with every check
-// of edgespec.wire.codec passing (another encoding, PARENTS, a fault of any kind): the caller
+// of edgespec.wire.codec passing (another encoding, a reserved tag, a fault of any kind): the caller
 // then decodes it with the Python codec, which takes it or names the fault.
 py::object parse_batch_payload(py::object payload, int kind) {
     py::buffer_info info;
@@ -238,7 +238,7 @@ py::object parse_batch_payload(py::object payload, int kind) {
     const uint8_t *base = static_cast<const uint8_t *>(info.ptr);
     Field f[10];
     const bool read = read_fields(base, static_cast<size_t>(info.size), f, [](int tag, int enc, int ndim) {
-        if (tag == TAG_ACCEPTED || tag == TAG_PARENTS) return false;  // not a batch's / left to the codec
+        if (tag == TAG_TARGETS || tag == TAG_RESERVED) return false;  // not a batch's: the codec's
         const int want_ndim = (tag == TAG_SEQ_IDS || tag == TAG_HIDDEN || tag == TAG_KV_OPS) ? 2 : 1;
         const int want_enc = tag == TAG_SEQ_IDS ? ENC_BITS : tag == TAG_HIDDEN ? ENC_F32
                              : tag == TAG_META ? ENC_JSON : ENC_I32;
@@ -303,7 +303,7 @@ py::object parse_batch_payload(py::object payload, int kind) {
     return py::make_tuple(tokens, positions, ids, counts, nodes, hidden, kv, meta);
 }
 
-// Payload of a RESULT: the target token of each wanted row (ACCEPTED), their tree nodes
+// Payload of a RESULT: the target token of each wanted row (TARGETS), their tree nodes
 // (NODES) and META. None when an input is not int32 [k] twice, non-negative.
 py::object build_result_payload(py::handle accepted, py::handle nodes, py::bytes meta) {
     if (!little_endian()) return py::none();
@@ -315,7 +315,7 @@ py::object build_result_payload(py::handle accepted, py::handle nodes, py::bytes
     const uint64_t k = static_cast<uint64_t>(acc.shape(0));
     std::string s;
     s.reserve(48 + 8 * k + meta_s.size());
-    i32_field(s, TAG_ACCEPTED, acc, {k});
+    i32_field(s, TAG_TARGETS, acc, {k});
     i32_field(s, TAG_NODES, nod, {k});
     field_head(s, TAG_META, ENC_JSON, {meta_s.size()});
     s += meta_s;
@@ -331,18 +331,18 @@ py::object parse_result_payload(py::object payload) {
     const uint8_t *base = static_cast<const uint8_t *>(info.ptr);
     Field f[10];
     const bool read = read_fields(base, static_cast<size_t>(info.size), f, [](int tag, int enc, int ndim) {
-        if (tag != TAG_ACCEPTED && tag != TAG_NODES && tag != TAG_META) return false;
+        if (tag != TAG_TARGETS && tag != TAG_NODES && tag != TAG_META) return false;
         return enc == (tag == TAG_META ? ENC_JSON : ENC_I32) && ndim == 1;
     });
     if (!read) return py::none();
-    if (!f[TAG_ACCEPTED].present) return py::none();
-    for (int tag : {TAG_ACCEPTED, TAG_NODES})
+    if (!f[TAG_TARGETS].present) return py::none();
+    for (int tag : {TAG_TARGETS, TAG_NODES})
         if (f[tag].present && !i32_non_negative(base, f[tag])) return py::none();
     py::object nodes = py::none(), meta = py::none();
     if (f[TAG_NODES].present) nodes = copy_i32(base, f[TAG_NODES], {py::ssize_t(f[TAG_NODES].dims[0])});
     if (f[TAG_META].present)
         meta = py::bytes(reinterpret_cast<const char *>(base + f[TAG_META].off), f[TAG_META].size);
-    return py::make_tuple(copy_i32(base, f[TAG_ACCEPTED], {py::ssize_t(f[TAG_ACCEPTED].dims[0])}),
+    return py::make_tuple(copy_i32(base, f[TAG_TARGETS], {py::ssize_t(f[TAG_TARGETS].dims[0])}),
                           nodes, meta);
 }
 

@@ -79,6 +79,14 @@ class Cgroup:
             return int(m.group(1)) if m else 0
         return 0
 
+    def peak_mib(self) -> int:
+        """The most memory charged here at once (page cache included), in MiB; -1 where the
+        kernel does not keep it (v2 before Linux 5.19)."""
+        for name in ("memory.peak", "memory.max_usage_in_bytes"):
+            with contextlib.suppress(OSError, ValueError):
+                return int((self.dirs[0] / name).read_text().split()[0]) >> 20
+        return -1
+
     def close(self) -> None:
         for d in self.dirs:
             procs = d / "cgroup.procs"
@@ -141,6 +149,8 @@ class Device:
     def start_node(self, key_file: Path, workdir: Path, timeout: float = 60) -> None:
         out, err = workdir / f"{self.name}.out", workdir / f"{self.name}.err"
         self.logs = (out, err)
+        # The logs are appended to: a restarted node is up once it says so after this point.
+        seen = err.stat().st_size if err.exists() else 0
         argv = [*edgespec(), "node", "--key-file", str(key_file), "--name", self.name,
                 "--bind", "0.0.0.0", "--port", str(PORT), "--threads", "1"]
         with open(out, "a") as fo, open(err, "a") as fe:
@@ -154,7 +164,7 @@ class Device:
         self.host.procs.append(self.node)
         deadline = time.monotonic() + timeout
         pattern = re.compile(rf"advertising {self.name}\.")
-        while not pattern.search(err.read_text(errors="replace")):
+        while not pattern.search(err.read_bytes()[seen:].decode(errors="replace")):
             if self.node.poll() is not None or time.monotonic() > deadline:
                 raise AssertionError(f"{self.name}: node did not start:\n"
                                      f"{err.read_text(errors='replace')[-3000:]}")

@@ -168,6 +168,16 @@ def test_profile_is_no_faster_than_the_quota_allows(tmp_path, monkeypatch):
     assert took >= 1.0, took  # five periods, not the 0.2 s asked for
 
 
+def test_profiling_times_middle_layers_where_the_model_has_them():
+    """A profile runs before any plan: two middle layers fit a device that the first window's
+    embeddings would not."""
+    from edgespec.node.profiling import profile_window
+
+    assert profile_window(24, 2) == (1, 3) and profile_window(4, 2) == (1, 3)
+    assert profile_window(3, 2) == (1, 2)
+    assert profile_window(2, 2) == (0, 1) and profile_window(1, 2) == (0, 1)
+
+
 def _memory_cgroup(limit: int) -> tuple[Path, str]:
     """A real memory cgroup with ``limit`` (v2 where it is the memory hierarchy, else v1)."""
     name = f"edgespec-test-{uuid.uuid4().hex[:8]}"

@@ -32,6 +32,7 @@ from tinygguf import make_tiny_gguf
 from edgespec.api import Ring
 from edgespec.errors import RequestError, StageFailure
 from edgespec.head.build import build_head
+from edgespec.head.config import HeadConfig
 from edgespec.head.formation import form_ring
 from edgespec.head.remote import head_identity
 from edgespec.wire import auth
@@ -84,7 +85,8 @@ def test_stage_error_ends_the_request_not_the_ring(tiny, key_file, prompt, refer
                              n_ctx=256, n_seq_max=4, profile=False, log_fn=lambda s: None,
                              head=head)
 
-        with build_head(Ring, chain, tiny, spec="none", n_ctx=256, recover=recover) as ring:
+        with build_head(Ring, chain, tiny, HeadConfig(spec="none"), n_ctx=256,
+                        recover=recover) as ring:
             assert _greedy(ring, prompt) == reference
             # Caller's mistakes are refused before anything reaches the ring.
             for bad in ({"top_p": 0.0}, {"top_k": -1}, {"temperature": -0.5}):

@@ -31,6 +31,7 @@ from edgespec.batch import Batch
 from edgespec.errors import RingError
 from edgespec.head.addresses import pick_address
 from edgespec.head.build import build_head
+from edgespec.head.config import HeadConfig
 from edgespec.head.formation import form_ring
 from edgespec.head.planner import NodeProfile, PlanError, plan_ring
 from edgespec.llm.gguf_read import fingerprint
@@ -117,7 +118,7 @@ def ring(tiny_model, keys, tmp_path_factory):
         chain = form_ring([n.address for n in nodes], tiny_model, auth.load_key(keys[0]),
                           ranges=[(0, 2), (2, 4)], n_ctx=512, n_seq_max=4, profile=False,
                           log_fn=lambda s: None)
-        head = build_head(Ring, chain, tiny_model, spec="none", n_ctx=512)
+        head = build_head(Ring, chain, tiny_model, HeadConfig(spec="none"), n_ctx=512)
         head.nodes = nodes
         yield head
         head.close()

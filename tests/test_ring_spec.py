@@ -15,6 +15,7 @@ from ring_fixtures import assert_same_greedy, unsplit_greedy
 from edgespec.api import Ring
 from edgespec.drafters import RetrievalDrafter
 from edgespec.drafters.factory import make_drafter
+from edgespec.head.engine import EngineConfig
 
 pytestmark = pytest.mark.real_model
 
@@ -38,7 +39,7 @@ def ring2(real_model_path):
 def _head(ring: Ring, drafter) -> Ring:
     """Another head over the same chain, with its own drafter (the KV is cleared first)."""
     return Ring(ring.chain, ring.tokenizer, model_name="test", drafter_factory=lambda: drafter,
-                engine_options={"budget": 8})
+                engine=EngineConfig(budget=8))
 
 
 @pytest.fixture(scope="module")

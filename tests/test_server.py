@@ -34,7 +34,6 @@ from ring_fixtures import NEAR_TIE, unsplit_greedy
 
 from edgespec.errors import NodeLost, RequestError, RingBusy, RingError, StageFailure
 from edgespec.server.app import _model_names
-from edgespec.server.gate import _Gate
 from edgespec.server.replies import _failure, _failure_message
 from edgespec.server.requests import _BadRequest, generation_params, parse_request
 
@@ -65,41 +64,6 @@ REQUESTS = [("chat", p) for p in CHAT] + [("completion", p) for p in COMPLETE]
 
 
 # --------------------------------------------------------------------- without a model
-
-def test_gate_admits_one_serving_plus_max_queue_in_ticket_order():
-    gate = _Gate(2)
-    tickets = [gate.try_enter() for _ in range(4)]
-    assert tickets == [0, 1, 2, None]  # 1 served + 2 waiting; the 4th is refused
-    assert gate.state() == {"serving": 1, "queued": 2, "max_queue": 2}
-    order: list[int] = []
-
-    def run(t: int) -> None:
-        gate.wait_turn(t)
-        order.append(t)
-        gate.leave()
-
-    threads = [threading.Thread(target=run, args=(t,)) for t in (2, 1)]
-    for th in threads:
-        th.start()
-    gate.wait_turn(0)
-    order.append(0)
-    gate.leave()
-    for th in threads:
-        th.join(10)
-    assert order == [0, 1, 2]
-    assert gate.state()["queued"] == 0 and gate.try_enter() == 3
-    with pytest.raises(ValueError):
-        _Gate(-1)
-
-
-def test_gate_with_no_queue_serves_only_when_idle():
-    gate = _Gate(0)
-    assert gate.try_enter() == 0
-    assert gate.try_enter() is None
-    gate.wait_turn(0)
-    gate.leave()
-    assert gate.try_enter() == 1
-
 
 @pytest.mark.parametrize("body, param", [
     ({"temperature": 3}, "temperature"), ({"temperature": -0.1}, "temperature"),

@@ -24,99 +24,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from edgespec.server.gate import _Gate
-
-# --------------------------------------------------------------------- the gate, no model
-
-
-def _enter_in_thread(gate: _Gate, ticket: int, order: list[int], entered: threading.Event,
-                     release: threading.Event, cancel: threading.Event | None = None,
-                     result: list | None = None) -> threading.Thread:
-    def run() -> None:
-        ok = gate.wait_turn(ticket, cancel)
-        if result is not None:
-            result.append(ok)
-        if not ok:
-            return
-        order.append(ticket)
-        entered.set()
-        release.wait(30)
-        gate.leave()
-
-    th = threading.Thread(target=run, daemon=True)
-    th.start()
-    return th
-
-
-def test_gate_admits_parallel_requests_then_queues_in_order_then_refuses():
-    gate = _Gate(max_queue=2, parallel=2)
-    tickets = [gate.try_enter() for _ in range(5)]
-    assert tickets == [0, 1, 2, 3, None]  # 2 in slots + 2 waiting; the 5th is refused
-    assert gate.state() == {"serving": 2, "queued": 2, "max_queue": 2}
-    order: list[int] = []
-    entered = [threading.Event() for _ in range(4)]
-    release = [threading.Event() for _ in range(4)]
-    threads = [_enter_in_thread(gate, t, order, entered[t], release[t]) for t in (3, 2, 1, 0)]
-    # Two at once: tickets 0 and 1 are inside together, 2 and 3 wait.
-    assert entered[0].wait(10) and entered[1].wait(10)
-    assert not entered[2].is_set() and not entered[3].is_set()
-    release[1].set()  # a slot frees: the oldest waiting ticket (2) takes it, not 3
-    assert entered[2].wait(10)
-    assert not entered[3].is_set()
-    release[0].set()
-    assert entered[3].wait(10)
-    release[2].set()
-    release[3].set()
-    for th in threads:
-        th.join(10)
-    assert sorted(order[:2]) == [0, 1] and order[2:] == [2, 3]
-    assert gate.wait_idle(5)
-    assert gate.state() == {"serving": 0, "queued": 0, "max_queue": 2}
-    assert gate.try_enter() == 4
-
-
-def test_gate_parallel_one_is_the_fifo_gate():
-    gate = _Gate(1)
-    assert gate.parallel == 1
-    assert [gate.try_enter() for _ in range(3)] == [0, 1, None]
-    assert gate.wait_turn(0)
-    order: list[int] = []
-    entered, release = threading.Event(), threading.Event()
-    th = _enter_in_thread(gate, 1, order, entered, release)
-    assert not entered.wait(0.3)  # one at a time: ticket 1 waits while 0 is inside
-    gate.leave()
-    assert entered.wait(10)
-    release.set()
-    th.join(10)
-    with pytest.raises(ValueError):
-        _Gate(1, parallel=0)
-
-
-def test_cancelled_waiting_request_leaves_the_queue_at_once():
-    gate = _Gate(max_queue=1, parallel=1)
-    assert gate.try_enter() == 0 and gate.wait_turn(0)
-    assert gate.try_enter() == 1
-    assert gate.try_enter() is None  # queue full
-    cancel, result = threading.Event(), []
-    order: list[int] = []
-    th = _enter_in_thread(gate, 1, order, threading.Event(), threading.Event(), cancel, result)
-    cancel.set()  # the client hung up while waiting
-    th.join(10)
-    assert result == [False] and order == []
-    # Its place in the queue is free again while ticket 0 still holds the slot...
-    assert gate.state() == {"serving": 1, "queued": 0, "max_queue": 1}
-    t2 = gate.try_enter()
-    assert t2 == 2
-    # ...and the withdrawn ticket is skipped: ticket 2 is next once the slot frees.
-    entered, release = threading.Event(), threading.Event()
-    th = _enter_in_thread(gate, t2, order, entered, release)
-    gate.leave()
-    assert entered.wait(10)
-    release.set()
-    th.join(10)
-    assert order == [2] and gate.wait_idle(5)
-
-
 # --------------------------------------------------------------------- a served ring
 
 PARALLEL = 2
@@ -158,7 +65,7 @@ def served(tmp_path_factory):
         app.state.shutdown()
         server.should_exit = True
         th.join(30)
-        app.state.gate.wait_idle(30)
+        app.state.scheduler.wait_idle(30)
         ring.close()
 
 

@@ -13,6 +13,7 @@ from thread_helpers import race
 
 from edgespec.head.engine import SpecEngine
 from edgespec.head.engine.cost import CostModel
+from edgespec.head.engine.flow import FlowMode
 
 
 def test_budget_shrinks_with_users_and_is_unchanged_for_one() -> None:
@@ -72,7 +73,7 @@ def test_flow_drafts_less_far_ahead_while_others_decode(ring) -> None:  # noqa: 
     limits = []
     for k in (1, 2, 4, 8):
         engine.sharers = lambda k=k: k
-        limits.append(engine._ahead_limit())
+        limits.append(FlowMode(engine).ahead_limit())
     # alone: as deep as a chain of top-1 guesses stays >= 0.3 likely (0.95**23 = 0.307)
     assert limits[0] == min(engine.max_depth, 23)
     assert all(a >= b for a, b in zip(limits, limits[1:], strict=False)), limits
@@ -124,9 +125,9 @@ def test_stream_dropped_unfinished_frees_its_slot_without_gc(tiny_target) -> Non
         try:
             stream = two.stream_tokens(prompt, max_tokens=32, spec="none")
             next(stream)
-            assert two.pool.busy() == 1
+            assert two.scheduler.busy() == 1
             del stream
-            assert two.pool.busy() == 0
+            assert two.scheduler.busy() == 0
         finally:
             gc.enable()
         two.reset()  # takes every slot in turn: would wait forever on a held one

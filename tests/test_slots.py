@@ -124,10 +124,10 @@ def test_parallel_one_is_todays_head_and_slots_divide_the_ring(local2):
 
     chain, tok = local2.chain, local2.tokenizer
     one = Ring(chain, tok, model_name="t", n_ctx=2048)
-    assert one.parallel == 1 and one.pool.demux is None and one.engine.chain is chain
+    assert one.parallel == 1 and one.scheduler.demux is None and one.engine.chain is chain
     assert one.engine.max_seqs == core.MAX_SEQS and one.engine.n_ctx == 2048
     four = Ring(chain, tok, model_name="t", n_ctx=2048, parallel=4, max_queue=0)
-    engines = [s.engine for s in four.pool.slots]
+    engines = [s.engine for s in four.scheduler.slots]
     assert all(isinstance(e, SpecEngine) and isinstance(e.chain, SlotChain) for e in engines)
     assert [e.chain.base for e in engines] == [0, 64, 128, 192]
     assert {e.max_seqs for e in engines} == {63} and {e.n_ctx for e in engines} == {512}
@@ -302,7 +302,7 @@ def test_next_turn_on_its_slot_computes_only_new_tokens(ring4, real_model_path):
         # Its history (prompt + answer but the answer's last token) was reused: the last
         # answer token and the new ones are all that was computed.
         assert g.stats.prefill_tokens == len(e) + 1, g.stats.as_dict()
-    held = [s.engine.history for s in ring.pool.slots]
+    held = [s.engine.history for s in ring.scheduler.slots]
     for t, g in zip(nxt, second, strict=True):
         assert t + g.tokens[:-1] in held
     # The reused prefixes were parked between the turns (on the nodes, over the wire) and
@@ -337,7 +337,7 @@ def test_a_failed_request_ends_alone(ring4, real_model_path):
     def failing():
         first_piece.wait()
         # Past the Ring's own checks, to the stages: a sampling value they refuse.
-        with ring.pool.acquire(bad) as slot, pytest.raises(StageFailure, match="top_p"):
+        with ring.scheduler.acquire(bad) as slot, pytest.raises(StageFailure, match="top_p"):
             for _ in slot.session.tokens(bad, max_tokens=4, mode="none",
                                          sampling=Sampling(temperature=1.0, top_p=-1.0)):
                 pass
@@ -356,7 +356,7 @@ def test_a_failed_request_ends_alone(ring4, real_model_path):
 
 def _slot_kv(ring: Ring, slot) -> list[list[tuple[int, int]]]:
     """Per stage: (lowest, next) position of every seq of ``slot`` (in-process ring)."""
-    base, width = slot.index * ring.pool.width, ring.pool.width
+    base, width = slot.index * ring.scheduler.width, ring.scheduler.width
     return [[(rt.seq_pos_min(s), rt.n_past(s)) for s in range(base, base + width)]
             for rt in ring.chain.worker.runtimes]
 
@@ -367,7 +367,7 @@ def test_requests_never_see_each_others_tokens(local2, real_model_path):
     b = "The capital of France is Paris. The capital of Italy is Rome. The capital of"
     ring.reset()
     ref = ring.generate(a, max_tokens=N, spec="flow").tokens
-    slot_a = next(s for s in ring.pool.slots if s.engine.history)
+    slot_a = next(s for s in ring.scheduler.slots if s.engine.history)
     history_a = list(slot_a.engine.history)
     kv_a = _slot_kv(ring, slot_a)
     n = len(history_a)
@@ -376,7 +376,7 @@ def test_requests_never_see_each_others_tokens(local2, real_model_path):
     # B fills the other slot; A's conversation is parked meanwhile: on every stage no cell of
     # A's slot is live (docs/design.md 5.8) and its history stays.
     gb = ring.generate(b, max_tokens=N, spec="flow")
-    slot_b = next(s for s in ring.pool.slots if s is not slot_a)
+    slot_b = next(s for s in ring.scheduler.slots if s is not slot_a)
     assert slot_b.engine.history[: len(_tokens(ring, b))] == _tokens(ring, b)
     assert slot_a.engine.history == history_a and slot_a.info()["kv_parked"]
     assert all(st == (-1, 0) for stage in _slot_kv(ring, slot_a) for st in stage)
@@ -409,9 +409,9 @@ def test_queue_beyond_the_slots_is_bounded(local2):
         ring.generate(PROMPTS[2], max_tokens=4, spec="none")))
     t.start()
     deadline = time.monotonic() + 60
-    while len(ring.pool._waiting) < 1 and time.monotonic() < deadline:
+    while len(ring.scheduler._queue) < 1 and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert len(ring.pool._waiting) == 1  # the third waits (max_queue 1)...
+    assert len(ring.scheduler._queue) == 1  # the third waits (max_queue 1)...
     with pytest.raises(RingBusy, match="max_queue 1"):
         ring.generate(PROMPTS[3], max_tokens=4)  # ...the fourth is refused at once
     assert not waited

@@ -12,6 +12,7 @@ from tinygguf import make_tiny_gguf
 from edgespec.api import Ring
 from edgespec.batch import Sampling
 from edgespec.drafters import DraftModelDrafter, HybridDrafter, RetrievalDrafter
+from edgespec.head.engine import EngineConfig
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,7 @@ def _prompts(ring: Ring) -> list[list[int]]:
 
 def _head(ring: Ring, drafter, **engine) -> Ring:
     return Ring(ring.chain, ring.tokenizer, model_name="tiny", drafter_factory=lambda: drafter,
-                engine_options=engine)
+                engine=EngineConfig(**engine))
 
 
 def _drafters(kind: str, target, draft):

@@ -85,7 +85,7 @@ def test_three_stage_ring_forwards_frames_unchanged() -> None:
             entry = connect(*stages[0].address, KEY, node_id="head")
             links.append(entry)
             for lap in range(3):
-                msg = hidden_message(hidden * (lap + 1), [7, 8, 8, 9], seq_matrix([[0, 1], [0], [1], [1]]), encoding="f32", tokens=[1, 2, 3, 4], parents=[-1, 0, 0, 2], lap_id=lap)
+                msg = hidden_message(hidden * (lap + 1), [7, 8, 8, 9], seq_matrix([[0, 1], [0], [1], [1]]), encoding="f32", tokens=[1, 2, 3, 4], lap_id=lap)
                 entry.send(msg)
             for lap in range(3):
                 got = arrived.get(timeout=10)

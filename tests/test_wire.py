@@ -39,15 +39,14 @@ def roundtrip(msg: Message) -> Message:
     return decode_payload(back_header, b"".join(bytes(c) for c in chunks))
 
 
-def test_tokens_roundtrip_keeps_ids_positions_seq_ids_parents() -> None:
+def test_tokens_roundtrip_keeps_ids_positions_seq_ids() -> None:
     seqs = seq_matrix([[0, 1, 2], [1], [2], [2]], n_seq=11)
-    msg = tokens_message([151935, 7, 0, 42], [10, 11, 11, 12], seqs, [-1, 0, 0, 2], lap_id=9, segment_id=3, flags=int(Flag.NEEDS_REPLY), meta={"t": 1})
+    msg = tokens_message([151935, 7, 0, 42], [10, 11, 11, 12], seqs, lap_id=9, segment_id=3, flags=int(Flag.NEEDS_REPLY), meta={"t": 1})
     back = roundtrip(msg)
     assert back.kind == Kind.TOKENS and back.lap_id == 9 and back.segment_id == 3
     assert back.flags == Flag.NEEDS_REPLY
     np.testing.assert_array_equal(back[FieldTag.TOKENS], [151935, 7, 0, 42])
     np.testing.assert_array_equal(back[FieldTag.POSITIONS], [10, 11, 11, 12])
-    np.testing.assert_array_equal(back[FieldTag.PARENTS], [-1, 0, 0, 2])
     assert back[FieldTag.SEQ_IDS].shape == (4, 11)
     assert seq_lists(back[FieldTag.SEQ_IDS]) == [[0, 1, 2], [1], [2], [2]]
     assert back.meta == {"t": 1}
@@ -115,7 +114,6 @@ def test_kv_ops_prune_result_control_roundtrip() -> None:
         (Message(Kind.RESULT, {FieldTag.TARGETS: [1], FieldTag.HIDDEN: np.ones((1, 2), np.float32)}), "may not carry"),
         (tokens_message([1, 2], [0], seq_matrix([[0], [0]])), "disagree"),
         (tokens_message([-1], [0], seq_matrix([[0]])), "negative"),
-        (tokens_message([1, 2], [0, 1], seq_matrix([[0], [0]]), [-1, 1]), "PARENTS"),
         (tokens_message([1], [0], np.zeros((1, 3), bool)), "at least one sequence"),
         (tokens_message([2**31], [0], seq_matrix([[0]])), "int32"),
         (tokens_message(np.array([1.5]), [0], seq_matrix([[0]])), "integer"),
@@ -185,7 +183,7 @@ def test_payload_corruptions_are_refused() -> None:
 def test_fuzzed_payloads_raise_only_wire_error() -> None:
     """Random byte flips and truncations never crash the decoder with anything but WireError."""
     rng = np.random.default_rng(1)
-    msg = hidden_message(rng.standard_normal((3, 64)).astype(np.float32), [0, 1, 2], seq_matrix([[0], [0, 1], [1]]), encoding="q8", tokens=[1, 2, 3], parents=[-1, 0, 0], meta={"a": 1})
+    msg = hidden_message(rng.standard_normal((3, 64)).astype(np.float32), [0, 1, 2], seq_matrix([[0], [0, 1], [1]]), encoding="q8", tokens=[1, 2, 3], meta={"a": 1})
     header, chunks = encode_frame(msg)
     payload = bytearray(b"".join(bytes(c) for c in chunks))
     outcomes = {"ok": 0, "refused": 0}
@@ -258,7 +256,7 @@ def _golden_batch(multi: bool) -> Batch:
 def golden_cases() -> dict[str, Message]:
     out: dict[str, Message] = {}
     out["tokens"] = tokens_message([1, 2, 3, 2**31 - 1], [0, 1, 2, 3],
-                                   seq_matrix([[0], [0, 1], [1, 10], [3]]), [-1, 0, 0, 2],
+                                   seq_matrix([[0], [0, 1], [1, 10], [3]]),
                                    lap_id=9, segment_id=1, request_id=5, meta={"a": [1, "x"]})
     out["hidden_f32"] = hidden_message(_golden_hidden(3, 8), [4, 5, 6], seq_matrix([[0], [0], [0]]),
                                        tokens=[7, 8, 9], lap_id=2**32 - 1)
@@ -282,15 +280,15 @@ def golden_cases() -> dict[str, Message]:
     return out
 
 
-# Computed with the codec at 30ab917 (before the fast paths); since then only the header's
-# protocol version byte changed (2 -> 3: lap-timing stamps became integer microseconds; the
-# codec does not read META, so the float stamps here still test its JSON path).
+# Computed with the codec before the fast paths existed; since then the header's protocol
+# version byte changed (2 -> 3: lap-timing stamps became integer microseconds; the codec does
+# not read META, so the float stamps here still test its JSON path), and "tokens" lost its
+# tree-parents field (tag 4, reserved now: no stage read it), cut out of the same bytes.
 GOLDEN_FRAMES = {
     "tokens": (
-        "6553032000000000050000000900000001000000030000000000000074000000010101000400000001000000"
+        "655303200000000005000000090000000100000003000000000000005c000000010101000400000001000000"
         "0200000003000000ffffff7f0201010004000000000000000100000002000000030000000305020004000000"
-        "0b0000008000c000402010000401010004000000ffffffff000000000000000002000000090601000d000000"
-        "7b2261223a5b312c2278225d7d000000"
+        "0b0000008000c00040201000090601000d0000007b2261223a5b312c2278225d7d000000"
     ),
     "hidden_f32": (
         "655303210000000000000000ffffffff000000000300000000000000a4000000010101000300000007000000"

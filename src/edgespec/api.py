@@ -35,16 +35,18 @@ from typing import Any
 
 from edgespec.errors import RequestError, RingError, TakenOver
 from edgespec.head.chain import Chain
-from edgespec.head.engine import GenerationStats, SpecEngine
+from edgespec.head.config import HeadConfig
+from edgespec.head.engine import EngineConfig, GenerationStats, SpecEngine
 from edgespec.head.engine.cost import CostModel
 from edgespec.head.engine.gain import RingRates
+from edgespec.head.engine.registry import AUTO, MODES, SPEC_MODES
+from edgespec.head.output import OutputProcessor
+from edgespec.head.scheduler import Scheduler, Ticket
 from edgespec.head.session import Session
-from edgespec.head.slots import SlotPool, slot_width
+from edgespec.head.slots import slot_width
 from edgespec.params import GenerationParams
 
 log = logging.getLogger("edgespec")
-
-SpecMode = str  # "none" | "sync" | "flow" | "auto"
 
 
 @dataclass(frozen=True)
@@ -92,38 +94,21 @@ class TextStream:
         self._pieces.close()  # type: ignore[attr-defined]
 
 
-class _Detok:
-    """Incremental detokenizer that never emits half a UTF-8 character."""
-
-    def __init__(self, tokenizer) -> None:
-        self.tok = tokenizer
-        self.buf = b""
-
-    def push(self, token: int) -> str:
-        self.buf += self.tok.piece(token, special=False)
-        try:
-            text, self.buf = self.buf.decode("utf-8"), b""
-            return text
-        except UnicodeDecodeError as e:
-            if len(self.buf) - e.start > 4:  # not a truncated character: give up on it
-                text, self.buf = self.buf.decode("utf-8", errors="replace"), b""
-                return text
-            text = self.buf[: e.start].decode("utf-8")
-            self.buf = self.buf[e.start:]
-            return text
-
-
 class Ring:
     """The head of a ring: generate, stream and chat over the stages it drives."""
 
-    def __init__(self, chain: Chain, tokenizer, *, model_name: str, spec: SpecMode = "auto",
+    def __init__(self, chain: Chain, tokenizer, *, model_name: str, spec: str = AUTO,
                  drafter_factory: Callable[[], Any] | None = None, n_ctx: int = 4096,
-                 on_close: Callable[[], None] | None = None, engine_options: Mapping[str, Any]
-                 | None = None, recover: Callable[[Exception], Chain] | None = None,
+                 on_close: Callable[[], None] | None = None, engine: EngineConfig | None = None,
+                 recover: Callable[[Exception], Chain] | None = None,
                  parallel: int = 1, max_queue: int | None = None) -> None:
-        """``parallel``: requests served at once (slots; each gets ``n_ctx // parallel`` of
-        the context, as llama-server divides it). ``max_queue``: requests that may wait for
-        a slot (None: any number); one more is refused with ``RingBusy`` at once."""
+        """``spec``: the mode of requests that do not name one (``registry.SPEC_MODES``);
+        ``engine``: the engine's settings; ``parallel``: requests served at once (slots; each
+        gets ``n_ctx // parallel`` of the context, as llama-server divides it);
+        ``max_queue``: requests that may wait for a slot (None: any number); one more is
+        refused with ``RingBusy`` at once."""
+        if spec not in SPEC_MODES:
+            raise ValueError(f"spec must be one of {', '.join(SPEC_MODES)}, got {spec!r}")
         width = slot_width(parallel)  # ValueError unless 1 <= parallel <= 128
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -132,55 +117,45 @@ class Ring:
         self.slot_ctx = n_ctx // parallel  # the context of one slot
         self._on_close = on_close
         self._drafters: list[Any] = []
-        options = dict(engine_options or {})
-        if parallel > 1:
-            options["max_seqs"] = width - 1  # a slot's tree seqs (edgespec.head.slots)
-
+        config = engine or EngineConfig()
+        # A slot's tree seqs (edgespec.head.slots).
+        max_seqs = {"max_seqs": width - 1} if parallel > 1 else {}
         # One cost model and one set of gain rates for the ring: laps, drafts and tree steps
         # measured on any slot serve them all (docs/design.md 5.8).
-        options["cost"] = options.get("cost") or CostModel()
-        options["ring_rates"] = options.get("ring_rates") or RingRates()
+        cost, rates = CostModel(), RingRates()
 
         def make_engine(ch: Chain, _index: int) -> SpecEngine:
             drafter = drafter_factory() if drafter_factory is not None else None
             if drafter is not None:
                 self._drafters.append(drafter)
-            return SpecEngine(ch, drafter=drafter, n_ctx=self.slot_ctx,
-                              is_eog=tokenizer.is_eog, **options)
+            return SpecEngine(ch, drafter=drafter, n_ctx=self.slot_ctx, config=config,
+                              cost=cost, ring_rates=rates, **max_seqs)
 
         #: Set once another head took the ring over on purpose (``--take-over``): this head
         #: then does not take the nodes back by itself (a recovery would undo the other's
         #: choice); its requests fail saying so until it is restarted.
         self.taken_over: str | None = None
-        self._recovering = 0
-        self._recovering_lock = threading.Lock()
         self._rebalance_fn: Callable[..., Chain] | None = None
         self.can_recover = recover is not None
 
         def recover_chain(exc: Exception) -> Chain:
             taken = str(exc) if isinstance(exc, TakenOver) else next(
-                (m.taken_over for m in getattr(self.pool.current_chain, "members", ())
+                (m.taken_over for m in getattr(self.scheduler.chain, "members", ())
                  if getattr(m, "taken_over", None)), None)
             if taken is not None and self.taken_over is None:
                 self.taken_over = f"{taken}; restart this head to take the ring back"
             if self.taken_over is not None:
                 raise RingError(self.taken_over)
-            with self._recovering_lock:
-                self._recovering += 1
-            try:
-                assert recover is not None
-                return recover(exc)
-            finally:
-                with self._recovering_lock:
-                    self._recovering -= 1
+            assert recover is not None
+            return recover(exc)
 
-        # Each slot's session owns the failures of its generations (retries, resync,
-        # replay); the pool shares one ring rebuild between the slots.
-        self.pool = SlotPool(chain, make_engine, Session, parallel=parallel,
-                             max_queue=max_queue,
-                             recover=recover_chain if recover is not None else None)
+        # The scheduler admits requests, gives them slots and rebuilds the ring once for all
+        # of them after a lost node; each slot's session owns its generation's replay.
+        self.scheduler = Scheduler(chain, make_engine, Session, parallel=parallel,
+                                   max_queue=max_queue,
+                                   recover=recover_chain if recover is not None else None)
         self._drafter = self._drafters[0] if self._drafters else None
-        self._last_slot = self.pool.slots[0]
+        self._last_slot = self.scheduler.slots[0]
         # Slot 0's engine and session (the only ones when parallel=1).
         self.engine, self.session = self._last_slot.engine, self._last_slot.session
         self.last: Generation | None = None
@@ -190,7 +165,7 @@ class Ring:
     @property
     def parallel(self) -> int:
         """Requests served at once (slots)."""
-        return self.pool.parallel
+        return self.scheduler.parallel
 
     def slots(self) -> list[dict[str, Any]]:
         """One entry per slot: ``slot``, ``state`` ("busy"/"free"), ``tokens`` (generated by
@@ -198,13 +173,18 @@ class Ring:
         ``prompt_tokens``, ``history_tokens`` (committed tokens it holds) and ``kv_parked``
         (their KV waits in the stages' host memory for the conversation's next turn,
         docs/design.md 5.8)."""
-        return [s.info() for s in self.pool.slots]
+        return [s.info() for s in self.scheduler.slots]
 
     @property
     def recovering(self) -> bool:
         """True while the ring is being re-formed after a lost node."""
-        with self._recovering_lock:
-            return self._recovering > 0
+        return self.scheduler.recovering
+
+    def admit(self) -> Ticket:
+        """A place in the ring's queue for a request about to be streamed
+        (``stream_prepared(..., ticket=)``), or ``RingBusy`` at once when ``max_queue``
+        requests wait already: a server refuses then, before it starts an answer."""
+        return self.scheduler.admit()
 
     def rebalance(self, nodes: Sequence[str] = (), profile: bool = True) -> None:
         """Re-plan this head's ring over every node that answers (its known nodes, a node
@@ -224,60 +204,58 @@ class Ring:
         except ValueError as e:
             raise RequestError(str(e), "nodes") from None
         fn = self._rebalance_fn
-        self.pool.rebuild(lambda: fn(extra, profile))
+        self.scheduler.rebuild(lambda: fn(extra, profile))
 
     @property
     def chain(self) -> Chain:
         """The chain in force (a new one after the ring was re-formed)."""
-        return self.pool.current_chain
+        return self.scheduler.chain
 
     @property
     def recovery_log(self) -> list[dict[str, Any]]:
         """One entry per ring rebuild: the error, seconds taken, stages after."""
-        return self.pool.recovery_log
+        return self.scheduler.recovery_log
 
     # ---------------------------------------------------------------- construction
 
     @classmethod
     def local(cls, model: str | Path = "qwen2.5-coder-0.5b", stages: int = 2, *,
-              draft: str | Path | None = None, spec: SpecMode = "auto", n_ctx: int = 4096,
-              processes: bool = True, verbose: bool = False,
+              n_ctx: int = 4096, processes: bool = True, verbose: bool = False,
               **kwargs: Any) -> Ring:
         """A ring of ``stages`` windows on this machine.
 
         With ``processes=True`` (the default) each window runs in its own ``edgespec node``
         process on loopback, over the same authenticated transport as a LAN ring; with
         ``processes=False`` all windows run in this process (fast start, for scripts/tests).
-        ``draft`` names a draft model (same tokenizer) for model/hybrid drafting; without it,
-        retrieval drafting is used. Further keywords: ``drafter`` ("auto", "retrieval",
-        "model", "hybrid"), ``draft_quant`` ("q4_0", the default: draft with a cached Q4_0
-        copy of the draft model, faster on CPUs and never changing the output; "none"),
-        ``ranges`` / ``rounds`` (layer windows), ``threads`` (per node),
-        ``encoding`` ("f32" exact, "f16", "q8"), ``proxy`` (address -> address, e.g. a link
-        emulator on every connection), and engine settings ``budget``, ``segments``,
-        ``max_depth``.
+        The head's settings (``HeadConfig``): ``spec``, ``draft`` (a draft model with the
+        same tokenizer; without one, retrieval drafting), ``drafter``, ``draft_quant``,
+        ``parallel``, ``max_queue``, and the engine's (``EngineConfig``): ``budget``,
+        ``segments``, ``max_depth``, ``prefill_chunk``. The ring's: ``ranges`` / ``rounds``
+        (layer windows), ``threads`` (per node), ``encoding`` ("f32" exact, "f16", "q8"),
+        ``proxy`` (address -> address, e.g. a link emulator on every connection).
         """
         from edgespec.head.build import open_local_ring
 
-        return open_local_ring(cls, model, stages, draft=draft, spec=spec, n_ctx=n_ctx,
-                                      processes=processes, verbose=verbose,
-                                      **kwargs)
+        config = HeadConfig.take(kwargs)
+        return open_local_ring(cls, model, stages, config, n_ctx=n_ctx, processes=processes,
+                               verbose=verbose, **kwargs)
 
     @classmethod
     def attach(cls, state: str | Path | None = None, **kwargs: Any) -> Ring:
-        """Attach to the ring brought up by ``edgespec ring up`` (its saved state file)."""
+        """Attach to the ring brought up by ``edgespec ring up`` (its saved state file):
+        ``key``, ``take_over`` and the head's settings as for ``local``."""
         from edgespec.head.build import attach
 
-        return attach(cls, state, **kwargs)
+        return attach(cls, state, HeadConfig.take(kwargs), **kwargs)
 
     @classmethod
     def up(cls, model: str | Path = "qwen2.5-coder-0.5b", nodes: str = "auto", *,
            key: str | Path | None = None, **kwargs: Any) -> Ring:
         """Discover nodes (``nodes="auto"``: mDNS; or ``"host:port,..."``), plan, load and
-        connect a ring, and return its head."""
+        connect a ring, and return its head (the head's settings as for ``local``)."""
         from edgespec.head.build import up
 
-        return up(cls, model, nodes, key=key, **kwargs)
+        return up(cls, model, nodes, HeadConfig.take(kwargs), key=key, **kwargs)
 
     # ---------------------------------------------------------------- generation
 
@@ -316,74 +294,65 @@ class Ring:
             params = params.replace(max_tokens=room)
         return Prepared(prompt, params, mode, capped)
 
-    def stream_prepared(self, request: Prepared, cancel: threading.Event | None = None
-                        ) -> TextStream:
+    def stream_prepared(self, request: Prepared, cancel: threading.Event | None = None,
+                        ticket: Ticket | None = None) -> TextStream:
         """Run a request ``prepare`` checked; text pieces as they are accepted. ``cancel``
-        stops it at the next step (``finish_reason`` "cancelled")."""
-        prompt_tokens, params, mode, capped = (request.prompt, request.params, request.mode,
-                                               request.capped)
-        max_tokens, sampling, ignore_eos = params.max_tokens, params.sampling, params.ignore_eos
-        stops = list(params.stop)
-        holdback = max((len(s) for s in stops), default=1) - 1
+        stops it at the next step, or withdraws it while it waits for a slot
+        (``finish_reason`` "cancelled"). ``ticket``: its place in the queue (``admit``);
+        taken now when None."""
         stream = TextStream(iter(()))
         this = weakref.ref(stream)  # no cycle: a stream dropped unfinished frees its slot now
 
         def pieces() -> Iterator[str]:
             t_start = time.perf_counter()
-            with self.pool.acquire(prompt_tokens) as slot:
+            out = OutputProcessor(self.tokenizer, request.params)
+            with self.scheduler.acquire(request.prompt, ticket, cancel=cancel) as slot:
+                if slot is None:  # cancelled while it waited: it never reached the ring
+                    out.cancelled()
+                    stats = GenerationStats(mode=request.mode,
+                                            prompt_tokens=len(request.prompt))
+                    stats.queue_ms = (time.perf_counter() - t_start) * 1e3
+                    self._finish(this, Generation("", [], stats, out.finish, request.capped))
+                    return
                 queued = time.perf_counter() - t_start
                 engine = slot.engine
-                detok = _Detok(self.tokenizer)
-                text = ""
-                emitted = 0
-                tokens: list[int] = []
-                finish = "length"
-                done = False
-                slot.prompt_tokens = len(prompt_tokens)
+                slot.prompt_tokens = len(request.prompt)
                 slot.requests += 1
-                chunks = slot.session.tokens(prompt_tokens, max_tokens=max_tokens,
-                                             sampling=sampling, mode=mode, cancel=cancel,
-                                             t_start=t_start, ignore_eos=ignore_eos)
+                chunks = slot.session.tokens(request.prompt,
+                                             max_tokens=request.params.max_tokens,
+                                             sampling=request.params.sampling,
+                                             mode=request.mode, cancel=cancel,
+                                             t_start=t_start)
                 try:
                     for chunk in chunks:
-                        for t in chunk:
-                            if not ignore_eos and self.tokenizer.is_eog(t):
-                                finish, done = "stop", True
-                                break
-                            tokens.append(t)
-                            text += detok.push(t)
-                            hit = min((i for i in (text.find(s, max(0, emitted - len(s)))
-                                                   for s in stops) if i >= 0), default=-1)
-                            if hit >= 0:
-                                text = text[:hit]
-                                finish, done = "stop", True
-                                break
-                        if done:
+                        piece = out.feed(chunk)
+                        if piece:
+                            yield piece
+                        if out.done:
                             break
-                        safe = len(text) - holdback if stops else len(text)
-                        if safe > emitted:
-                            yield text[emitted:safe]
-                            emitted = safe
                 finally:
                     chunks.close()  # statistics now cover every ring the generation ran on
                     slot.tokens = engine.stats.tokens
                     slot.tokens_per_s = engine.stats.tokens_per_s
-                if (not done and cancel is not None and cancel.is_set()
-                        and len(tokens) < max_tokens):
-                    finish = "cancelled"  # stopped by its caller short of its natural end
-                if len(text) > emitted:
-                    yield text[emitted:]
+                if not out.done and cancel is not None and cancel.is_set():
+                    out.cancelled()  # stopped by its caller short of its natural end
+                if piece := out.flush():
+                    yield piece
                 stats = engine.stats
-                stats.tokens = len(tokens)
+                stats.tokens = len(out.tokens)
                 stats.queue_ms = queued * 1e3
-                slot.tokens = len(tokens)
-                self.last = Generation(text, tokens, stats, finish, capped)
-                if (held := this()) is not None:
-                    held.result = self.last
+                slot.tokens = len(out.tokens)
                 self._last_slot = slot
+                self._finish(this, Generation(out.text, out.tokens, stats, out.finish,
+                                              request.capped))
 
         stream._pieces = pieces()
         return stream
+
+    def _finish(self, stream: weakref.ref, generation: Generation) -> None:
+        self.last = generation
+        if (held := stream()) is not None:
+            held.result = generation
 
     def _prompt_tokens(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -431,7 +400,7 @@ class Ring:
         """Forget the conversations: clear every slot's KV sequences on every stage (each
         slot once the request it serves is done)."""
         for i in range(self.parallel):
-            with self.pool.acquire((), index=i) as slot:
+            with self.scheduler.acquire((), index=i) as slot:
                 slot.engine.reset()
 
     # ---------------------------------------------------------------- lifetime
@@ -442,7 +411,7 @@ class Ring:
             for drafter in self._drafters:
                 if hasattr(drafter, "close"):
                     drafter.close()
-            self.pool.close()
+            self.scheduler.close()
         finally:
             if self._on_close is not None:
                 cb, self._on_close = self._on_close, None
@@ -471,6 +440,7 @@ class Ring:
         view = view_of_chain(self.chain, self.model_name, self.n_ctx, probe=probe,
                              can_recover=self.can_recover)
         view.spec, view.drafter = self.default_spec, _drafter_name(self._drafter)
+        view.modes = self.modes()
         view.recoveries = list(self.recovery_log)
         if self.taken_over is not None:
             view.status, view.message = "down", self.taken_over
@@ -488,16 +458,22 @@ class Ring:
         view.lap_timing = last.stats.lap_timing.as_dict() if last is not None else None
         return view.to_dict()
 
+    def modes(self) -> list[str]:
+        """The speculative modes a request may ask this ring for (``auto`` first)."""
+        has_drafter = self._drafter is not None
+        return [m for m in SPEC_MODES
+                if m == AUTO or has_drafter or not MODES[m].needs_drafter]
+
     def add_listener(self, fn: Callable[[dict], None]) -> None:
         """Call ``fn(event)`` on the generating thread for every tree event: rows sent
         (``rows``: node, parent, token), partial verification (``verify``: accepted path,
         rejected rows), a step's decision (``decide``: path, bonus token) and plain one-token
         laps (``plain``). ``fn`` must be quick; with no listener no event is built."""
-        for slot in self.pool.slots:
+        for slot in self.scheduler.slots:
             slot.engine.listeners.append(fn)
 
     def remove_listener(self, fn: Callable[[dict], None]) -> None:
-        for slot in self.pool.slots:
+        for slot in self.scheduler.slots:
             with contextlib.suppress(ValueError):
                 slot.engine.listeners.remove(fn)
 

@@ -4,8 +4,8 @@ unchanged to the engine. A value that passed the constructor is valid for every 
 depends on the ring (the context left after the prompt, the speculative modes it can run, the
 vocabulary) is checked once more by ``Ring.prepare``, which fits ``max_tokens`` to the context.
 
-Neutral ground: the server, the chat CLI and the head import it; it imports only errors and
-the batch's ``Sampling``.
+The server, the chat CLI and the head import it; it imports errors, the batch's ``Sampling``
+and the names of the speculative modes (``edgespec.head.engine.registry``).
 """
 
 from __future__ import annotations
@@ -17,9 +17,7 @@ from typing import Any
 
 from edgespec.batch import Sampling
 from edgespec.errors import RequestError
-
-#: The speculative modes a request may ask for ("auto": the ring's own choice).
-SPEC_MODES = ("auto", "none", "sync", "flow")
+from edgespec.head.engine.registry import SPEC_MODES
 
 
 def _number(name: str, value: Any, kind: type) -> Any:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from edgespec.cli.common import MIN_CTX, _add, _at_least
 from edgespec.cli.hangup import exit_on_hangup
+from edgespec.head.engine.registry import SPEC_MODES, help_text
 
 # ------------------------------------------------------------------------------- run a ring
 
@@ -20,8 +21,8 @@ def _add_ring_choice(p: argparse.ArgumentParser) -> None:
     p.add_argument("--local", type=_at_least(1), default=None, metavar="N",
                    help="start a local ring of N node processes instead of attaching to the "
                         "ring that is up (default: attach if one is up, else N=2)")
-    p.add_argument("--spec", choices=("auto", "none", "sync", "flow"), default="auto",
-                   help="speculative decoding mode")
+    p.add_argument("--spec", choices=SPEC_MODES, default="auto",
+                   help=f"speculative decoding mode ({help_text()})")
     p.add_argument("--draft", default=None,
                    help="draft model (same tokenizer), e.g. qwen2.5-coder-0.5b for the 1.5B; "
                         "without one the head drafts by retrieval (n-grams of the prompt and "
@@ -208,8 +209,8 @@ def _add_demo(sub) -> None:
     p.add_argument("--model", default="qwen2.5-coder-0.5b", help="registry name or .gguf path")
     p.add_argument("--stages", type=_at_least(1), default=2,
                    help="node processes in the local ring")
-    p.add_argument("--spec", choices=("auto", "none", "sync", "flow"), default="auto",
-                   help="speculative decoding mode")
+    p.add_argument("--spec", choices=SPEC_MODES, default="auto",
+                   help=f"speculative decoding mode ({help_text()})")
     p.add_argument("--max-tokens", type=_at_least(1), default=256, help="answer length")
     p.add_argument("--prompt", default=None,
                    help="your own prompt (default: a short Python task)")

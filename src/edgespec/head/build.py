@@ -16,6 +16,7 @@ from typing import Any
 from edgespec.drafters.factory import make_drafter, shared_draft_context
 from edgespec.errors import NodeLost, RingError
 from edgespec.head.addresses import discover, parse_nodes
+from edgespec.head.config import HeadConfig
 from edgespec.head.formation import form_ring, reform_ring, unload_nodes
 from edgespec.head.remote import Address, RemoteChain, head_identity
 from edgespec.head.state import load_state, save_state, state_path
@@ -24,18 +25,18 @@ from edgespec.llm import models
 log = logging.getLogger("edgespec.ring")
 
 
-def build_head(cls, chain: Any, model: Path, *, spec: str = "auto", draft=None,
-               drafter: str = "auto", n_ctx: int = 4096, on_close=None, recover=None,
-               draft_quant: str = "q4_0", tok_model=None, parallel: int = 1,
-               max_queue: int | None = None, **engine: Any):
+def build_head(cls, chain: Any, model: Path, config: HeadConfig | None = None, *,
+               n_ctx: int = 4096, on_close=None, recover=None, tok_model=None):
     """The head (a ``cls``, i.e. ``Ring``) over ``chain``: the model's tokenizer, the drafter
-    and the engine settings ``engine``. ``tok_model``: the vocab-only model when the caller
-    loaded it already (it is closed with the head either way). ``parallel`` / ``max_queue``:
-    slots and waiting requests (``edgespec.head.slots``); every slot drafts with a drafter of
-    its own, on one context of the draft model that they share."""
+    and the engine, as ``config`` says. ``tok_model``: the vocab-only model when the caller
+    loaded it already (it is closed with the head either way). Every slot drafts with a
+    drafter of its own, on one context of the draft model that they share."""
     from edgespec.llm.llamacpp import load_model
     from edgespec.llm.tokenizer import Tokenizer
 
+    config = config or HeadConfig()
+    draft, drafter, draft_quant = config.draft, config.drafter, config.draft_quant
+    parallel = config.parallel
     own = tok_model is None
     if tok_model is None:
         tok_model = load_model(model, vocab_only=True)
@@ -70,10 +71,10 @@ def build_head(cls, chain: Any, model: Path, *, spec: str = "auto", draft=None,
         return made.pop() if made else new_drafter()
 
     try:
-        ring = cls(chain, Tokenizer(tok_model), model_name=Path(model).stem, spec=spec,
-                   drafter_factory=drafter_factory, n_ctx=n_ctx, on_close=close,
-                   engine_options=engine, recover=recover, parallel=parallel,
-                   max_queue=max_queue)
+        ring = cls(chain, Tokenizer(tok_model), model_name=Path(model).stem,
+                   spec=config.spec, drafter_factory=drafter_factory, n_ctx=n_ctx,
+                   on_close=close, engine=config.engine, recover=recover,
+                   parallel=parallel, max_queue=config.max_queue)
     except BaseException:
         for d in made:
             with contextlib.suppress(Exception):
@@ -159,8 +160,9 @@ def ring_up(model_path: Path, addrs: Sequence[Address], key_bytes: bytes, *,
     return chain, path
 
 
-def attach(cls, state: str | os.PathLike[str] | None = None, *, key: str | None = None,
-           take_over: bool = False, **kwargs: Any):
+def attach(cls, state: str | os.PathLike[str] | None = None,
+           config: HeadConfig | None = None, *, key: str | None = None,
+           take_over: bool = False):
     """A head for the ring saved by ``edgespec ring up``.
 
     A node that restarted or vanished since is handled like a loss: the ring is re-formed
@@ -180,26 +182,27 @@ def attach(cls, state: str | os.PathLike[str] | None = None, *, key: str | None 
     except NodeLost as e:
         log.warning("the saved ring is not intact (%s); re-forming it", e)
         chain = recover(e)
-    ring = build_head(cls, chain, model, n_ctx=st.n_ctx, recover=recover, **kwargs)
+    ring = build_head(cls, chain, model, config, n_ctx=st.n_ctx, recover=recover)
     ring._rebalance_fn = rebalancing(model, key_bytes, known, head, st.options,
                                      n_ctx=st.n_ctx, encoding=st.encoding)
     return ring
 
 
-def up(cls, model: str | os.PathLike[str], nodes: str = "auto", *, key: str | None = None,
+def up(cls, model: str | os.PathLike[str], nodes: str = "auto",
+       config: HeadConfig | None = None, *, key: str | None = None,
        expect: int | None = None, timeout: float = 5.0, rounds: int = 1,
        ranges: Sequence[tuple[int, int]] | None = None, n_ctx: int = 4096,
-       encoding: str = "f32", spec: str = "auto", draft=None, take_over: bool = False,
-       **engine: Any):
+       encoding: str = "f32", take_over: bool = False):
     """Discover (or list) nodes, bring the ring up (``ring_up``), and return its head."""
     from edgespec.wire.auth import ensure_key
 
+    config = config or HeadConfig()
     key_bytes = ensure_key(key)
     model_path = models.resolve(model)
-    if draft is not None:  # refuse a draft of another family before any node loads anything
+    if config.draft is not None:  # refuse another family's draft before any node loads
         from edgespec.drafters.tokenizer import check_draft_tokenizer
 
-        check_draft_tokenizer(models.resolve(draft), model_path)
+        check_draft_tokenizer(models.resolve(config.draft), model_path)
     head = head_identity()
     addrs = find_nodes(nodes, key_bytes, expect=expect, timeout=timeout)
     chain, _path = ring_up(model_path, addrs, key_bytes, key_file=key, rounds=rounds,
@@ -209,30 +212,29 @@ def up(cls, model: str | os.PathLike[str], nodes: str = "auto", *, key: str | No
     known = list(addrs)
     recover = recovering(model_path, key_bytes, known, head, options, n_ctx=n_ctx,
                          encoding=encoding, rounds=rounds)
-    ring = build_head(cls, chain, model_path, spec=spec, draft=draft, n_ctx=n_ctx,
-                      recover=recover, **engine)
+    ring = build_head(cls, chain, model_path, config, n_ctx=n_ctx, recover=recover)
     ring._rebalance_fn = rebalancing(model_path, key_bytes, known, head, options,
                                      n_ctx=n_ctx, encoding=encoding, rounds=rounds)
     return ring
 
 
-def open_local_ring(cls, model: str | os.PathLike[str], stages: int, *, draft=None,
-                    spec: str = "auto", n_ctx: int = 4096, processes: bool = True,
-                    verbose: bool = False, drafter: str = "auto",
-                    encoding: str = "f32", threads: int = 1, proxy=None,
-                    ranges=None, rounds: int = 1, draft_quant: str = "q4_0", **engine: Any):
+def open_local_ring(cls, model: str | os.PathLike[str], stages: int,
+                    config: HeadConfig | None = None, *, n_ctx: int = 4096,
+                    processes: bool = True, verbose: bool = False, encoding: str = "f32",
+                    threads: int = 1, proxy=None, ranges=None, rounds: int = 1):
     """Build a ``Ring`` (class ``cls``) over ``stages`` windows of ``model`` on this host."""
     from edgespec.llm.gguf_read import read_info
     from edgespec.llm.llamacpp import load_model, set_verbose
     from edgespec.llm.shards import even_ranges
 
+    config = config or HeadConfig()
     set_verbose(verbose)
     model_path = models.resolve(model)
-    if draft is not None and drafter != "retrieval":
+    if config.draft is not None and config.drafter != "retrieval":
         # A draft of another family is refused before any node process starts.
         from edgespec.drafters.tokenizer import check_draft_tokenizer
 
-        check_draft_tokenizer(models.resolve(draft), model_path)
+        check_draft_tokenizer(models.resolve(config.draft), model_path)
     info = read_info(model_path)
     tok_model = load_model(model_path, vocab_only=True)
     cleanup: list[Any] = []
@@ -286,9 +288,8 @@ def open_local_ring(cls, model: str | os.PathLike[str], stages: int, *, draft=No
                 with contextlib.suppress(Exception):
                     fn()
 
-        ring = build_head(cls, chain, model_path, spec=spec, draft=draft, drafter=drafter,
-                          n_ctx=n_ctx, on_close=on_close, recover=recover,
-                          draft_quant=draft_quant, tok_model=tok_model, **engine)
+        ring = build_head(cls, chain, model_path, config, n_ctx=n_ctx, on_close=on_close,
+                          recover=recover, tok_model=tok_model)
     except BaseException:
         for fn in [*cleanup, tok_model.close]:
             with contextlib.suppress(Exception):

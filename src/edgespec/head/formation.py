@@ -95,6 +95,9 @@ def form_ring(addresses: Sequence[Address], model: str | os.PathLike[str], key: 
                     p = m.ask("profile", timeout=LOAD_TIMEOUT_S, model_path=str(model_path),
                               fingerprint=fp)
                     prof.ms_per_layer = dict(p.ms_per_layer)
+                    # Counted after profiling, with the windows the node holds now as free:
+                    # loading this plan's windows unloads them first.
+                    prof.free_mem = p.free_ram
                 except (RingBusy, NodeLost):
                     raise
                 except RingError as e:  # e.g. the node lacks the model: it gets the median

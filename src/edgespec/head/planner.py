@@ -106,6 +106,15 @@ def logits_bytes(memory: ModelMemory, n_seq_max: int) -> int:
     return 4 * memory.n_vocab * n_seq_max
 
 
+def window_need(memory: ModelMemory, a: int, b: int, n_ctx: int, n_seq_max: int) -> int:
+    """What a loaded window ``[a, b)`` takes, as the planner counts it against a node's free
+    memory: weights, KV cache, embeddings and head where it holds them, llama.cpp's buffers
+    and, for the last window, its logits buffer."""
+    ends = a == 0 or b == memory.n_layer
+    return (memory.window_bytes(a, b, n_ctx) + WINDOW_OVERHEAD + (ENDS_OVERHEAD if ends else 0)
+            + (logits_bytes(memory, n_seq_max) if b == memory.n_layer else 0))
+
+
 @dataclass(frozen=True)
 class ModelMemory:
     """Bytes a layer window of one model needs (see :func:`model_memory`)."""
@@ -345,9 +354,7 @@ def plan_ring(n_layer: int, layer_bytes: int, nodes: Sequence[NodeProfile], *,
                 pos += k
     if memory is not None:
         for i, n in enumerate(nodes):
-            need = sum(memory.window_bytes(w.start, w.stop, n_ctx) + WINDOW_OVERHEAD
-                       + (ENDS_OVERHEAD if w.start == 0 or w.stop == n_layer else 0)
-                       + (logits_bytes(memory, n_seq_max) if w.stop == n_layer else 0)
+            need = sum(window_need(memory, w.start, w.stop, n_ctx, n_seq_max)
                        for w in windows if w.node == i)
             if n.free_mem and need > n.free_mem * reserve:
                 held = ",".join(f"{w.start}:{w.stop}" for w in windows if w.node == i)

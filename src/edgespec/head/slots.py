@@ -1,9 +1,6 @@
 """Slots: one ring serving ``S`` sequences at once (docs/design.md 3, "KV discipline",
-holds per slot).
-
-Over 450 lines: the slot's view of the chain (``SlotChain``), result routing (``Demux``) and
-admission (``SlotPool``) share one partition of seq ids and laps; apart, each would restate
-the others' invariants.
+holds per slot): a slot's range of seq ids, its view of the shared chain (``SlotChain``) and
+the routing of results to the slot whose lap they answer (``Demux``).
 
 The nodes' contexts hold ``n_seq_max = 256`` llama.cpp sequences (``edgespec.head.formation``).
 With ``parallel=S`` slot ``i`` owns the seq ids ``[i*W, (i+1)*W)``, ``W = 256 // S``: seq
@@ -23,12 +20,8 @@ the shared chain
   idle slot's conversation then costs the busy slots' attention nothing (docs/design.md 5.8),
   and its next turn still computes only its new tokens.
 
-``SlotPool`` hands slots to requests: the free slot whose committed history shares the
-longest prefix with the prompt (a conversation's next turn computes only its new tokens),
-else the least recently used free one; up to ``max_queue`` requests wait in FIFO order,
-beyond that ``RingBusy`` at once. Each generation runs in its caller's thread, so S callers
-drive S engines at once and their batches interleave around the ring. After a lost node one
-rebuild serves every slot (``SlotPool.recover_slot``).
+Which request gets which slot, and the one rebuild of the ring after a lost node, are the
+scheduler's (``edgespec.head.scheduler``).
 
 ``parallel=1`` uses none of this machinery: the one engine drives the chain itself.
 """
@@ -36,18 +29,20 @@ rebuild serves every slot (``SlotPool.recover_slot``).
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
 import threading
-import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edgespec.batch import Batch, Result
-from edgespec.errors import NodeLost, RingBusy
+from edgespec.errors import NodeLost
 from edgespec.head.chain import Chain
 from edgespec.tree.kvop import KvOp, KvOpCode
+
+if TYPE_CHECKING:
+    from edgespec.head.engine.runner import SpecEngine
+    from edgespec.head.session import Session
 from edgespec.wire.transport import TransportError
 
 log = logging.getLogger("edgespec.ring")
@@ -297,8 +292,8 @@ class Slot:
     """One of the ring's S concurrent sequences: its engine, session and bookkeeping."""
 
     index: int
-    engine: Any  # SpecEngine
-    session: Any  # Session
+    engine: SpecEngine
+    session: Session
     epoch: int = 0
     busy: bool = False
     last_used: float = 0.0
@@ -316,190 +311,3 @@ class Slot:
                 "tokens_per_s": round(speed, 3), "prompt_tokens": self.prompt_tokens,
                 "history_tokens": len(self.engine.history),
                 "kv_parked": bool(getattr(self.session.chain, "parked", False))}
-
-
-class SlotPool:
-    """S slots over one chain: admission (FIFO, bounded), slot choice, and the one rebuild
-    of the ring that every slot shares after a node loss."""
-
-    def __init__(self, chain: Chain, make_engine: Callable[[Chain, int], Any],
-                 make_session: Callable[[Chain, Any, Callable | None], Any], *,
-                 parallel: int = 1, max_queue: int | None = None,
-                 recover: Callable[[Exception], Chain] | None = None) -> None:
-        self.parallel = parallel
-        self.width = slot_width(parallel)
-        if max_queue is not None and max_queue < 0:
-            raise ValueError(f"max_queue must be >= 0 (or None: no limit), got {max_queue}")
-        self.max_queue = max_queue
-        self.chain = chain
-        self._recover = recover
-        self.epoch = 0
-        self.recovery_log: list[dict[str, Any]] = []
-        self._recover_lock = threading.Lock()
-        self._cond = threading.Condition()
-        self._waiting: collections.deque[object] = collections.deque()
-        self.slots: list[Slot] = []
-        if parallel == 1:
-            # Today's path exactly: the engine drives the chain, its session recovers it.
-            engine = make_engine(chain, 0)
-            session = make_session(chain, engine, recover)
-            self.recovery_log = session.recovery_log
-            self.slots.append(Slot(0, engine, session))
-            self.demux = None
-            return
-        self.demux = Demux(chain)
-        for i in range(parallel):
-            sc = SlotChain(self.demux, i, self.width)
-            engine = make_engine(sc, i)
-            engine.sharers = self.busy  # trees and prefill chunks shrink as slots fill
-            # Lap ids of different slots never meet (the demux routes by lap, stages prune
-            # by lap): each slot draws from its own part of the lap space.
-            engine.use_laps(i, parallel)
-            slot = Slot(i, engine, None)
-            slot.session = make_session(
-                sc, engine, (lambda exc, s=slot: self.recover_slot(s, exc))
-                if recover is not None else None)
-            self.slots.append(slot)
-
-    # ------------------------------------------------------------ admission
-
-    def _choose(self, prompt: Sequence[int]) -> Slot | None:
-        free = [s for s in self.slots if not s.busy]
-        if not free:
-            return None
-
-        def shared(s: Slot) -> int:
-            h = s.engine.history
-            n = min(len(h), len(prompt) - 1)
-            k = 0
-            while k < n and h[k] == prompt[k]:
-                k += 1
-            return k
-
-        return max(free, key=lambda s: (shared(s), -s.last_used))
-
-    @contextlib.contextmanager
-    def acquire(self, prompt: Sequence[int], index: int | None = None) -> Iterator[Slot]:
-        """A slot for a request on ``prompt`` (or the slot ``index``), held for the block.
-        Waits in FIFO order while every slot is busy; ``RingBusy`` at once when
-        ``max_queue`` requests wait already (a request for a given slot always waits)."""
-        ticket = object()
-        with self._cond:
-            def pick() -> Slot | None:
-                if index is not None:
-                    s = self.slots[index]
-                    return None if s.busy else s
-                return self._choose(prompt)
-
-            if (index is None and (self._waiting or pick() is None)
-                    and self.max_queue is not None and len(self._waiting) >= self.max_queue):
-                raise RingBusy(f"all {self.parallel} slot(s) of the ring are busy and "
-                               f"{len(self._waiting)} request(s) wait already (max_queue "
-                               f"{self.max_queue}): try again later")
-            self._waiting.append(ticket)
-            try:
-                while True:
-                    slot = pick() if self._waiting[0] is ticket else None
-                    if slot is not None:
-                        break
-                    self._cond.wait()
-            finally:
-                self._waiting.remove(ticket)
-                self._cond.notify_all()
-            slot.busy = True
-        try:
-            self._refresh(slot)
-            yield slot
-        finally:
-            self._park(slot)
-            with self._cond:
-                slot.busy = False
-                slot.last_used = time.monotonic()
-                self._cond.notify_all()
-
-    def _refresh(self, slot: Slot) -> None:
-        """A slot that slept through a ring rebuild moves onto the new chain."""
-        if self.demux is None:
-            return
-        with self._recover_lock:
-            if slot.epoch != self.epoch:
-                slot.epoch = self.epoch
-                sc = SlotChain(self.demux, slot.index, self.width)
-                slot.session.chain = sc
-                slot.engine.replace_chain(sc)
-            else:
-                slot.session.chain.forget_done()
-
-    def _park(self, slot: Slot) -> None:
-        """A slot's request ended: park its conversation's cells (``SlotChain.park``), and
-        its drafter's (``Drafter.idle``)."""
-        if self.demux is None:
-            return
-        drafter = getattr(slot.engine, "drafter", None)
-        if drafter is not None:
-            try:
-                drafter.idle()
-            except Exception as e:  # only speed is at stake: the next begin() recomputes
-                log.warning("slot %d: drafter not parked: %s", slot.index, e)
-        if slot.epoch != self.epoch or not slot.engine.history:
-            return
-        try:
-            slot.session.chain.park()
-        except NodeLost as e:  # its next request finds the ring lost and recovers
-            log.debug("slot %d: not parked: %s", slot.index, e)
-
-    @property
-    def current_chain(self) -> Chain:
-        """The chain in force (a new one after a rebuild)."""
-        return self.slots[0].session.chain if self.demux is None else self.chain
-
-    def busy(self) -> int:
-        with self._cond:
-            return sum(s.busy for s in self.slots)
-
-    # ------------------------------------------------------------ recovery
-
-    def recover_slot(self, slot: Slot, exc: Exception) -> Chain:
-        """The chain ``slot`` goes on with after ``exc`` (a lost node): the ring is rebuilt
-        once, by the first slot to ask; the others find it rebuilt and move onto it."""
-        assert self._recover is not None and self.demux is not None
-        with self._recover_lock:
-            if slot.epoch == self.epoch:
-                t0 = time.perf_counter()
-                with contextlib.suppress(Exception):
-                    self.chain.close()
-                chain = self._recover(exc)  # NodeLost: the session retries with backoff
-                self.chain = chain
-                self.demux = Demux(chain)
-                self.epoch += 1
-                self.recovery_log.append({"error": str(exc),
-                                          "seconds": round(time.perf_counter() - t0, 3),
-                                          "stages": chain.n_stages})
-            slot.epoch = self.epoch
-            return SlotChain(self.demux, slot.index, self.width)
-
-    def rebuild(self, make_chain: Callable[[], Chain]) -> Chain:
-        """Replace the ring on purpose (a rebalance): every slot is taken first, so requests
-        in flight finish and new ones wait; then the old chain is closed and ``make_chain``
-        forms the new one, which every slot moves onto. The slots' conversations start anew
-        on it (their KV lived on the old windows)."""
-        with contextlib.ExitStack() as held:
-            for i in range(self.parallel):
-                held.enter_context(self.acquire((), index=i))
-            with self._recover_lock:
-                with contextlib.suppress(Exception):
-                    self.current_chain.close()
-                chain = make_chain()
-                if self.demux is None:
-                    slot = self.slots[0]
-                    slot.session.chain = chain
-                    slot.engine.replace_chain(chain)
-                else:
-                    self.chain = chain
-                    self.demux = Demux(chain)
-                    self.epoch += 1  # each slot moves onto it at its next request
-        return chain
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.current_chain.close()

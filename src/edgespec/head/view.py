@@ -79,6 +79,8 @@ class RingView:
     nodes: list[NodeView]
     spec: str | None = None
     drafter: str | None = None
+    # The speculative modes a request may ask the head for; None without a head.
+    modes: list[str] | None = None
     status: str = "up"
     message: str | None = None
     hint: str | None = None
@@ -94,7 +96,7 @@ class RingView:
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "n_ctx": self.n_ctx, "spec": self.spec,
-                "drafter": self.drafter, "status": self.status, "message": self.message,
+                "drafter": self.drafter, "modes": self.modes, "status": self.status, "message": self.message,
                 "hint": self.hint, "recoveries": list(self.recoveries), "time": self.time,
                 "lap_timing": self.lap_timing, "parallel": self.parallel,
                 "slots": None if self.slots is None else [dict(s) for s in self.slots],

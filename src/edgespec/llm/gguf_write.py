@@ -3,14 +3,24 @@
 The writer is told which metadata and tensors to write (:mod:`edgespec.llm.shards` decides that
 per window, docs/design.md 3.1); tensor data is copied from the source file in fixed-size chunks,
 so memory stays flat whatever the model size.
+
+Page cache stays flat too (:func:`write_gguf`): a node cuts its window inside its device's memory
+cgroup, which is charged for every page of the model it reads and of the shard it writes. Left
+alone those pages pile up to the cgroup's limit, the written ones dirty (reclaim under the
+limit must wait for their writeback), and the room the node reports for planning
+(``node.info.cgroup_room``) shrinks by what has not aged onto the inactive list yet. The same
+helpers let a node drop a window's file once llama.cpp has read it (``drop_file_cache``) and
+hash files at start-up without caching them (``read_once``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,10 +65,119 @@ class PlannedTensor:
 
 
 
+#: Bytes written between flushes of the file being written: each flush writes them to disk and
+#: drops them from the page cache, so at most this much of the output is cached on the
+#: writer's account at any time (the source's pieces are dropped as they are read).
+SYNC_CHUNK = 16 << 20
+
+
+def drop_cached(fd: int, offset: int, length: int) -> None:
+    """Drop the clean cached pages of bytes ``[offset, offset + length)`` of ``fd``: data read or
+    written once and not needed again soon. A page another process maps stays; where the
+    platform has no ``posix_fadvise`` (macOS) this does nothing."""
+    if length > 0 and hasattr(os, "posix_fadvise"):
+        with contextlib.suppress(OSError):
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+
+
+#: How far past the end of a range read its cached pages may reach: the page cache holds a file
+#: in folios of up to 2 MiB (x86-64's PMD size), and dropping a range leaves a folio that
+#: reaches outside it.
+FOLIO_REACH = 2 << 20
+
+
+class _DroppingReader:
+    """Reads pieces of the source file and drops each from the page cache once read.
+
+    A piece's last folio may reach into the next piece, so a piece that follows the one before
+    it is dropped from that one's start (the folio they share goes with it), and the reach
+    past the last piece of a run is dropped when the run ends (:meth:`end_run`)."""
+
+    def __init__(self, f: Any) -> None:
+        self.f = f
+        self.run: tuple[int, int] | None = None  # the previous piece read
+
+    def readinto(self, view: memoryview, at: int) -> int:
+        if self.run is not None and not self.run[0] <= at <= self.run[1] + FOLIO_REACH:
+            self.end_run()
+        self.f.seek(at)
+        n = self.f.readinto(view) or 0
+        start = at if self.run is None else self.run[0]
+        drop_cached(self.f.fileno(), start, at + n - start)
+        self.run = (at, at + n)
+        return n
+
+    def end_run(self) -> None:
+        if self.run is not None:
+            lo, hi = self.run
+            drop_cached(self.f.fileno(), lo, hi - lo + FOLIO_REACH)
+            self.run = None
+
+
+def drop_file_cache(path: str | os.PathLike[str]) -> None:
+    """Drop the clean cached pages of the file at ``path``: a window llama.cpp has read into
+    its own buffers (or mapped: mapped pages stay) is not read again, and a memory cgroup
+    would go on counting its pages against the device until they are reclaimed."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            drop_cached(fd, 0, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+
+
+def read_once(path: str | os.PathLike[str]) -> Iterator[memoryview]:
+    """The bytes of ``path`` in ``COPY_CHUNK`` pieces (each valid until the next), every piece
+    dropped from the page cache once read: a scan such as hashing a file would otherwise
+    leave it all cached on the reader's account, and a second read of pages still cached
+    from an earlier one moves them to the active list, which a memory cgroup's room
+    (``node.info.cgroup_room``) counts as used."""
+    with open(path, "rb", buffering=0) as f:
+        src = _DroppingReader(f)
+        view = memoryview(bytearray(COPY_CHUNK))
+        at = 0
+        try:
+            while n := src.readinto(view, at):
+                yield view[:n]
+                at += n
+        finally:
+            src.end_run()
+
+
+class _FlushingWriter:
+    """Appends to a file, writing it to disk every ``SYNC_CHUNK`` bytes and dropping what was
+    written from the page cache (see the module docstring); optionally hashes what it writes."""
+
+    def __init__(self, f: Any, digest: bool) -> None:
+        self.f = f
+        self.hash = hashlib.sha256() if digest else None
+        self.pos = 0  # bytes written
+        self.synced = 0  # bytes on disk and dropped from the cache
+
+    def write(self, data: bytes | memoryview) -> None:
+        self.f.write(data)
+        if self.hash is not None:
+            self.hash.update(data)
+        self.pos += len(data)
+        if self.pos - self.synced >= SYNC_CHUNK:
+            self.sync()
+
+    def sync(self) -> None:
+        self.f.flush()
+        getattr(os, "fdatasync", os.fsync)(self.f.fileno())  # macOS has fsync only
+        drop_cached(self.f.fileno(), self.synced, self.pos - self.synced)
+        self.synced = self.pos
+
+
 def write_gguf(source: Path, out_path: Path, kvs: Sequence[bytes], plan: Sequence[PlannedTensor],
-               align: int, progress: Any) -> None:
+               align: int, progress: Any, digest: bool = False) -> str | None:
     """Write a GGUF v3 file of the encoded metadata ``kvs`` and the tensors of ``plan`` (data
-    read from ``source`` at their offsets), atomically: a partial file never takes the name."""
+    read from ``source`` at their offsets), atomically: a partial file never takes the name.
+
+    Neither file's pages are left in the page cache: the data is streamed in ``COPY_CHUNK``
+    pieces, each source piece dropped once copied, the output written to disk and dropped
+    every ``SYNC_CHUNK`` (see the module docstring), and synced before it takes its name.
+    With ``digest``, returns the sha256 of the bytes written (no second read of the file)."""
     header = bytearray(struct.pack("<IIQQ", gguf.GGUF_MAGIC, 3, len(plan), len(kvs)))
     for entry in kvs:
         header += entry
@@ -73,7 +192,9 @@ def write_gguf(source: Path, out_path: Path, kvs: Sequence[bytes], plan: Sequenc
     # or a node and a head on one host) must not write into each other's file.
     tmp = out_path.with_name(f"{out_path.name}.part{os.getpid()}-{threading.get_ident()}")
     try:
-        with open(tmp, "wb") as fout, open(source, "rb") as fsrc:
+        # The source unbuffered: every byte read is one this loop asked for and drops.
+        with open(tmp, "wb") as f, open(source, "rb", buffering=0) as fsrc:
+            fout, src = _FlushingWriter(f, digest), _DroppingReader(fsrc)
             fout.write(header)
             buf = bytearray(COPY_CHUNK)
             view = memoryview(buf)
@@ -81,18 +202,21 @@ def write_gguf(source: Path, out_path: Path, kvs: Sequence[bytes], plan: Sequenc
                 if t.source_offset is None:
                     fout.write(t.data)
                 else:
-                    fsrc.seek(t.source_offset)
-                    left = t.nbytes
+                    at, left = t.source_offset, t.nbytes
                     while left:
-                        n = fsrc.readinto(view[:min(left, COPY_CHUNK)])
+                        n = src.readinto(view[:min(left, COPY_CHUNK)], at)
                         if not n:
                             raise CorruptShardError(f"{source} ends inside tensor {t.name!r}")
                         fout.write(view[:n])
+                        at += n
                         left -= n
                 fout.write(b"\0" * (-t.nbytes % align))
                 if progress is not None:
                     progress.update(t.nbytes)
+            src.end_run()
+            fout.sync()
         os.replace(tmp, out_path)
+        return None if fout.hash is None else fout.hash.hexdigest()
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

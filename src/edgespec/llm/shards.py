@@ -39,7 +39,6 @@ from edgespec.llm.gguf_read import (
     SCALAR_FMT,
     GGUFHeader,
     ShardError,
-    file_sha256,
     open_gguf,
     read_info,
     window_role,
@@ -253,10 +252,11 @@ def plan_tensors(h: GGUFHeader, a: int, b: int, role: str) -> list[PlannedTensor
 
 
 def _write_window(h: GGUFHeader, out_path: Path, arch: str, n_layer: int, n_vocab: int, fp: str,
-                  a: int, b: int, progress: Any) -> None:
+                  a: int, b: int, progress: Any, digest: bool = False) -> str | None:
+    """Write window ``[a, b)`` to ``out_path``; with ``digest``, return the file's sha256."""
     role = window_role(a, b, n_layer)
-    write_gguf(h.path, out_path, window_metadata(h, arch, n_layer, n_vocab, fp, a, b, role),
-               plan_tensors(h, a, b, role), h.alignment, progress)
+    return write_gguf(h.path, out_path, window_metadata(h, arch, n_layer, n_vocab, fp, a, b, role),
+                      plan_tensors(h, a, b, role), h.alignment, progress, digest=digest)
 
 
 def _progress_bar(total: int, enabled: bool, desc: str) -> Any:
@@ -312,9 +312,9 @@ def shard_model(
         try:
             for a, b in rngs:
                 path = out / shard_file_name(a, b, stem=h.path.stem)
-                _write_window(h, path, arch, n_layer, n_vocab, fp, a, b, bar)
+                digest = _write_window(h, path, arch, n_layer, n_vocab, fp, a, b, bar, digest=True)
                 manifest.shards.append(ShardFile(path.name, (a, b), window_role(a, b, n_layer),
-                                                 path.stat().st_size, file_sha256(path)))
+                                                 path.stat().st_size, str(digest)))
         finally:
             if bar is not None:
                 bar.close()

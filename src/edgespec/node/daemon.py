@@ -35,6 +35,7 @@ from typing import Any, ClassVar
 
 from edgespec import __version__
 from edgespec.holder import PARENT_ENV, describe_holder
+from edgespec.node.info import release_free_heap, rss_bytes
 from edgespec.node.slots import StageLoop, StageSlot
 from edgespec.tree.kvop import KvOp
 from edgespec.wire import (
@@ -57,15 +58,6 @@ HOLDER_OPS = frozenset(op for op, r in ctl.REQUESTS.items() if issubclass(r, ctl
 
 class _Busy(Exception):
     """Another head holds this node."""
-
-
-def _rss_bytes() -> int:
-    """This process's resident memory (Linux /proc; 0 elsewhere)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
 
 
 class Node(StageLoop):
@@ -113,6 +105,7 @@ class Node(StageLoop):
         self.server.register(Kind.KV_OPS, self._on_kv)
         self.server.register(Kind.PRUNE, self._on_prune)
         self._uploads: dict[str, Any] = {}
+        self._rss_bare = 0  # resident memory when the last load began, holding no window
 
     # ------------------------------------------------------------------ lifetime
 
@@ -238,7 +231,7 @@ class Node(StageLoop):
         return ctl.HealthReply(
             node_id=self.node_id, name=self.name, version=__version__, proto=PROTOCOL_VERSION,
             backend=detect_backend(), free_ram=free_ram_bytes(), free_vram=free_vram_bytes(),
-            rss=_rss_bytes(), holder=holder, stages=stages, time=time.time())
+            rss=rss_bytes(), holder=holder, stages=stages, time=time.time())
 
     def _op_echo(self, conn: Connection, req: ctl.Echo, blob: Any) -> tuple[ctl.Done, Any]:
         return ctl.Done(), bytes(blob) if blob is not None else None
@@ -264,12 +257,18 @@ class Node(StageLoop):
         from edgespec.node.profiling import profile_layers
 
         model = self._resolve_model(req.model_path, req.fingerprint)
-        return ctl.ProfileReply.model_validate(profile_layers(
-            model, cache_dir=self.cache_dir / "shards", n_threads=self.n_threads,
-            n_gpu_layers=self.n_gpu_layers, batch_sizes=tuple(req.batch_sizes)))
+        # Asked for a plan, whose load unloads the windows held now: what this process grew
+        # by since it last held none is free for it (else a ring re-planned over its nodes
+        # would find each short by its own window).
+        held = max(0, rss_bytes() - self._rss_bare) if self.slots else 0
+        out = profile_layers(model, cache_dir=self.cache_dir / "shards", n_threads=self.n_threads,
+                             n_gpu_layers=self.n_gpu_layers, batch_sizes=tuple(req.batch_sizes))
+        out["free_ram"] += held
+        return ctl.ProfileReply.model_validate(out)
 
     def _op_load(self, conn: Connection, req: ctl.Load, blob: Any) -> ctl.LoadReply:
         """Load windows [stage, first layer, stop, is_last] (``edgespec.wire.control.Load``)."""
+        from edgespec.llm.gguf_write import drop_file_cache
         from edgespec.llm.shards import cut_window, shard_file_name
         from edgespec.node.runtime import StageRuntime
 
@@ -283,6 +282,7 @@ class Node(StageLoop):
                 # The head will cut the windows from its copy and send them (resumable).
                 return ctl.LoadReply(need_shards=True)
         self._unload()
+        self._rss_bare = rss_bytes()
         loaded = []
         for stage, a, b, is_last in req.windows:
             if stage in sent:
@@ -296,6 +296,7 @@ class Node(StageLoop):
             rt = StageRuntime(path, n_ctx=req.n_ctx, n_seq_max=req.n_seq_max,
                               n_threads=self.n_threads, n_gpu_layers=self.n_gpu_layers,
                               expect_fingerprint=fp or None)
+            drop_file_cache(path)
             slot = StageSlot(stage, (a, b), rt, is_last, encoding=req.encoding)
             slot.thread = threading.Thread(target=self._run_slot, args=(slot,),
                                            name=f"edgespec-stage-{stage}", daemon=True)
@@ -355,6 +356,8 @@ class Node(StageLoop):
                 slot.thread.join(30)
             with contextlib.suppress(Exception):
                 slot.runtime.close()
+        if slots:
+            release_free_heap()
 
 
 # ---------------------------------------------------------------------- command line

@@ -1,9 +1,16 @@
 """Device profiling: decode time per layer at a few batch sizes, measured on the model itself,
 and the round trips to other members (``round_trips``, for the ring's order).
 
-A node cuts a small first window (a few layers) of the model it is asked about, loads it, and
-times decode calls at batch sizes 1, 4 and 16 (the sizes a tree lap uses). Time per layer is
-what the planner needs; a short window keeps profiling to seconds even on slow devices.
+A node cuts a small window (a few layers) of the model it is asked about, loads it, and times
+decode calls at batch sizes 1, 4 and 16 (the sizes a tree lap uses). Time per layer is what the
+planner needs; a short window keeps profiling to seconds even on slow devices. The window is a
+middle one where the model has one (``profile_window``): it carries a stub vocabulary, where a
+first window holds the token embeddings, which cost more than its layers (the 0.5B's layers
+0-1 load at 197 MiB resident, layers 1-2 at 57 MiB, the process included). Profiling runs on
+the device before the planner has seen it, so it must fit in less memory than any window the
+planner could give it: a middle window of two layers does, where a device with room for a
+few middle layers was killed profiling the first two. The free memory reported is read once
+the window is closed and its file's pages and freed heap are handed back.
 
 The speed measured is the sustained one: each batch size decodes back to back for at least
 ``SUSTAIN_S`` (0.5 s) of wall time, and the figure is that time divided by the decodes (not the
@@ -46,6 +53,14 @@ def sustained_s(wall_s: float, cpu_s: float, quota_cores: float | None) -> float
     return max(wall_s, cpu_s / quota_cores)
 
 
+def profile_window(n_layer: int, layers: int) -> tuple[int, int]:
+    """The window of up to ``layers`` layers to profile: a middle one (from layer 1, ending
+    before the last), or the first where the model is too short to have a middle."""
+    if n_layer >= 3:
+        return 1, 1 + max(1, min(layers, n_layer - 2))
+    return 0, max(1, min(layers, n_layer - 1))
+
+
 def profile_layers(model: str | Path, *, cache_dir: str | Path, n_threads: int | None = None,
                    n_gpu_layers: int = 0, batch_sizes: Sequence[int] = (1, 4, 16),
                    layers: int = 2, reps: int = 3, sustain_s: float = SUSTAIN_S) -> dict:
@@ -53,15 +68,17 @@ def profile_layers(model: str | Path, *, cache_dir: str | Path, n_threads: int |
     ``sustain_s`` seconds each, after one warm-up call, no faster than the cgroup's CPU quota
     allows: ``sustained_s``); also report free memory."""
     from edgespec.llm.gguf_read import fingerprint, read_info
+    from edgespec.llm.gguf_write import drop_file_cache
     from edgespec.llm.shards import cut_window, shard_file_name
     from edgespec.node import info as node_info
     from edgespec.node.runtime import StageRuntime
 
     model = Path(model)
     info = read_info(model)
-    k = max(1, min(layers, info.n_layer - 1))
+    a, b = profile_window(info.n_layer, layers)
+    k = b - a
     fp = fingerprint(model)
-    path = cut_window(model, (0, k), Path(cache_dir) / shard_file_name(0, k, fp, model.stem))
+    path = cut_window(model, (a, b), Path(cache_dir) / shard_file_name(a, b, fp, model.stem))
     out: dict[str, float] = {}
     held = node_info.cpu_quota()
     quota = None if held is None else held[0]
@@ -69,23 +86,28 @@ def profile_layers(model: str | Path, *, cache_dir: str | Path, n_threads: int |
         sustain_s = max(sustain_s, min(SUSTAIN_MAX_S, SUSTAIN_PERIODS * held[1]))
     rt = StageRuntime(path, n_ctx=max(64, 2 * max(batch_sizes)), n_seq_max=1,
                       n_threads=n_threads, n_gpu_layers=n_gpu_layers)
+    drop_file_cache(path)
     try:
-        for b in batch_sizes:
-            tokens = np.arange(b, dtype=np.int32) % max(2, info.n_vocab)
-            pos = np.arange(b, dtype=np.int32)
-            seqs = [[0]] * b
-            rt.forward(tokens, pos, seqs)  # warms caches and allocations: not timed
+        rng = np.random.default_rng(0)
+        for n in batch_sizes:
+            # A first window takes token ids, a middle one the hidden states of the rows.
+            rows = (np.arange(n, dtype=np.int32) % max(2, info.n_vocab) if rt.is_first
+                    else rng.standard_normal((n, rt.n_embd)).astype(np.float32))
+            pos = np.arange(n, dtype=np.int32)
+            seqs = [[0]] * n
+            rt.forward(rows, pos, seqs)  # warms caches and allocations: not timed
             rt.kv_seq_rm(0, -1, -1)
             calls = 0
             c0, t0 = time.process_time(), time.perf_counter()  # CPU time: every thread's
             while calls < reps or time.perf_counter() - t0 < sustain_s:
-                rt.forward(tokens, pos, seqs)
+                rt.forward(rows, pos, seqs)
                 rt.kv_seq_rm(0, -1, -1)
                 calls += 1
             span = sustained_s(time.perf_counter() - t0, time.process_time() - c0, quota)
-            out[str(b)] = 1e3 * span / calls / k
+            out[str(n)] = 1e3 * span / calls / k
     finally:
         rt.close()
+        node_info.release_free_heap()
     return {"ms_per_layer": out, "layers_profiled": k, "free_ram": node_info.free_ram_bytes(),
             "free_vram": node_info.free_vram_bytes(), "n_layer": info.n_layer}
 

@@ -54,8 +54,8 @@ asks for the key); without it, 401.
 A ring serves ``Ring.parallel`` requests at once (``edgespec serve --parallel S``), one per
 slot, each slot with its own sequences and committed history in the stages' KV caches, so
 nothing from one request can reach another's attention; with S=1 (the default) requests run
-one at a time. Requests beyond the free slots wait in arrival order (a FIFO gate), and the
-queue is bounded: besides the requests being served, at most ``max_queue`` wait; one beyond
+one at a time. Requests beyond the free slots wait in arrival order (the ring's one queue,
+``edgespec.head.scheduler``), and the queue is bounded: besides the requests being served, at most ``max_queue`` wait; one beyond
 that gets 429 at once instead of waiting without end. A client that disconnects stops its
 generation at the next step (or leaves the queue at once, if it was still waiting), so
 abandoned requests hold neither a slot nor a place in the queue. SIGTERM
@@ -65,7 +65,7 @@ whole one), so the server exits promptly even mid-answer and the caller closes t
 FastAPI/uvicorn are used because they are the standard ASGI stack for this kind of API.
 
 This module builds the app (routes) and runs it; the parts live beside it: ``requests``
-(request models), ``replies`` (errors and their statuses), ``gate`` (admission), ``streaming``
+(request models), ``replies`` (errors and their statuses), ``inflight`` (cancel events for a shutdown), ``streaming``
 (the completion endpoints' generations), ``live`` (the page's live view), ``access`` (the API
 key).
 """
@@ -89,8 +89,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from edgespec.api import Ring
 from edgespec.server.access import LOGIN_SCRIPT_HASH, _KeyCheck
-from edgespec.server.gate import _Gate, _Inflight
 from edgespec.server.health import Metrics, Monitor
+from edgespec.server.inflight import Inflight
 from edgespec.server.listener import (
     MAX_READING,
     READ_TIMEOUT_S,
@@ -134,15 +134,9 @@ def _web_files() -> dict[str, tuple[bytes, str]]:
             out[f.name] = (f.read_bytes(), kind)
     return out
 
-def _parallel(ring: Ring) -> int:
-    """The ring's slots: how many requests it serves at once (1 on a ring without slots)."""
-    return int(getattr(ring, "parallel", 1) or 1)
-
-
 def _slots(ring: Ring) -> list[dict[str, Any]]:
-    """``Ring.slots()``: one dict per slot (busy/free, tokens, speed); [] without slots."""
-    fn = getattr(ring, "slots", None)
-    return [dict(s) for s in fn()] if callable(fn) else []
+    """``Ring.slots()``: one dict per slot (busy/free, tokens, speed)."""
+    return [dict(s) for s in ring.slots()]
 
 
 #: The endpoints whose POST bodies are JSON (anything else is 415).
@@ -175,11 +169,13 @@ def create_app(ring: Ring, model_name: str, max_queue: int = 16,
     # Outermost: a request for another site's host is refused before anything else.
     app.add_middleware(HostCheck, hosts=hosts, json_paths=JSON_ENDPOINTS,
                        login_script_hash=LOGIN_SCRIPT_HASH)
-    gate = _Gate(max_queue, parallel=_parallel(ring))
-    inflight = _Inflight()
+    # The server's queue bound is the ring's: one admission queue for every way in.
+    ring.scheduler.set_max_queue(max_queue)
+    queue = ring.scheduler
+    inflight = Inflight()
     web = _web_files()
     app.state.live = live
-    app.state.gate = gate
+    app.state.scheduler = queue
     app.state.monitor = monitor
     known_names = _model_names(model_name, ring.model_name, aliases)
 
@@ -217,7 +213,7 @@ def create_app(ring: Ring, model_name: str, max_queue: int = 16,
             counts[what] += 1
 
     def gauges() -> dict[str, float]:
-        return {**gate.state(), "parallel": gate.parallel}
+        return {**queue.state(), "parallel": ring.parallel}
 
     metrics = Metrics(ring, gauges, lambda: monitor.verdict)
     app.state.metrics = metrics
@@ -227,8 +223,8 @@ def create_app(ring: Ring, model_name: str, max_queue: int = 16,
         status, why = monitor.verdict
         with counts_lock:
             done = dict(counts)
-        body = {"status": status, "model": model_name, **gate.state(),
-                "parallel": gate.parallel, "slots": _slots(ring), **done,
+        body = {"status": status, "model": model_name, **queue.state(),
+                "parallel": ring.parallel, "slots": _slots(ring), **done,
                 "recoveries": len(ring.recovery_log), "viewers": live.subscribers}
         if why:
             body["message"] = why
@@ -252,8 +248,8 @@ def create_app(ring: Ring, model_name: str, max_queue: int = 16,
 
     def _ring_json() -> dict[str, Any]:
         snap = dict(live.snapshot())
-        snap.update(gate.state())
-        snap["parallel"], snap["slots"] = gate.parallel, _slots(ring)
+        snap.update(queue.state())
+        snap["parallel"], snap["slots"] = ring.parallel, _slots(ring)
         snap["history"] = list(live.history)
         snap["health"], snap["health_message"] = monitor.verdict
         return snap
@@ -290,8 +286,8 @@ def create_app(ring: Ring, model_name: str, max_queue: int = 16,
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
-    gens = Completions(ring, model_name, gate=gate, inflight=inflight, live=live, count=count,
-                       max_queue=max_queue, max_body=max_body, known_names=known_names,
+    gens = Completions(ring, model_name, inflight=inflight, live=live, count=count,
+                       max_body=max_body, known_names=known_names,
                        metrics=metrics)
     app.post("/v1/completions")(gens.completions)
     app.post("/v1/chat/completions")(gens.chat_completions)
@@ -316,7 +312,7 @@ def ready_lines(ring: Ring, model_name: str, url: str, api_key: str | None) -> l
              else ", ".join(nodes) or "this process")
     plan = " ".join(f"{a}:{b}" for a, b in (s.get("layers", (0, 0)) for s in stages))
     lines = [f"edgespec serve: model {model_name} ({ring.model_name}.gguf)",
-             f"  ring: {len(stages)} stage(s) [{plan}] on {where}; {_parallel(ring)} slot(s)",
+             f"  ring: {len(stages)} stage(s) [{plan}] on {where}; {ring.parallel} slot(s)",
              f"  page: {url}/   API: {url}/v1   health: {url}/health   metrics: {url}/metrics"]
     if api_key:
         lines.append("  every endpoint needs the API key (Authorization: Bearer <key>)")
@@ -333,11 +329,11 @@ def server_config(app: FastAPI, host: str, port: int, *, read_timeout: float = R
 
     guard = ReadGuard(read_timeout=read_timeout)
     app.state.read_guard = guard
-    gate = app.state.gate
+    queue = app.state.scheduler
     return uvicorn.Config(app, host=host, port=port, log_level=log_level,
                           http=guarded_protocol(guard), timeout_keep_alive=5,
                           timeout_graceful_shutdown=5,
-                          limit_concurrency=MAX_READING + 2 * (gate.max_queue + gate.parallel)
+                          limit_concurrency=MAX_READING + 2 * (queue.max_queue + queue.parallel)
                           + 2 * _Live.MAX_VIEWERS + 32)
 
 
@@ -390,6 +386,6 @@ def serve(ring: Ring, model_name: str, host: str = "127.0.0.1", port: int = 8080
         app.state.shutdown()
         # The generation threads stop at their next step; let them leave the ring before the
         # caller closes it.
-        app.state.gate.wait_idle(30)
+        app.state.scheduler.wait_idle(30)
         for sig, handler in saved.items():
             signal.signal(sig, handler)

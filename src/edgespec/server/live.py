@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import Request
 
 from edgespec.api import Ring
-from edgespec.server.gate import _Inflight
+from edgespec.server.inflight import Inflight
 
 
 class _Live:
@@ -169,7 +169,7 @@ class _Live:
 #: The page served at ``/`` to a browser without the key when ``--api-key`` is set: it asks
 #: for the key and keeps it in a same-site cookie, which the page's requests then carry.
 
-async def live_events(request: Request, live: _Live, inflight: _Inflight,
+async def live_events(request: Request, live: _Live, inflight: Inflight,
                       ring_json: Callable[[], dict[str, Any]], ticket: int | None = None,
                       ) -> AsyncIterator[bytes]:
     """The page's server-sent events (``GET /v1/ring/events``): ``ring`` snapshots, batched

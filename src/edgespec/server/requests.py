@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from edgespec.errors import RequestError
-from edgespec.params import GenerationParams
+from edgespec.params import SPEC_MODES, GenerationParams
 
 
 class _BadRequest(Exception):
@@ -72,7 +72,7 @@ class _Sampling(BaseModel):
     stream: Annotated[bool, Field(strict=True)] | None = None
     stream_options: _StreamOptions | None = None
     # edgespec's own: the speculative mode for this request (the web page's control).
-    spec: Literal["auto", "none", "sync", "flow"] | None = None
+    spec: Literal[SPEC_MODES] | None = None  # type: ignore[valid-type]
     # As llama-server and vLLM take it: go on past end-of-generation to max_tokens (benchmarks).
     ignore_eos: Annotated[bool, Field(strict=True)] | None = None
 
@@ -106,7 +106,7 @@ _FIELD_HELP = {
     "stream": "'stream' must be true or false",
     "stream_options": "'stream_options' must be an object like {\"include_usage\": true}",
     "model": "'model' must be a string",
-    "spec": "'spec' must be one of auto, none, sync, flow",
+    "spec": f"'spec' must be one of {', '.join(SPEC_MODES)}",
     "ignore_eos": "'ignore_eos' must be true or false",
 }
 

@@ -1,4 +1,5 @@
-"""The completion endpoints' generations: admission, the generation thread, and the answer
+"""The completion endpoints' generations: the request checked at the edge, its place in the
+ring's queue (``Ring.admit``: 429 at once when full), the generation thread, and the answer
 as one JSON body or as server-sent events (OpenAI's chunk format)."""
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from fastapi.responses import StreamingResponse
 
 from edgespec import errors
 from edgespec.api import Generation, Prepared, Ring, TextStream
-from edgespec.server.gate import _Gate, _Inflight
 from edgespec.server.health import Metrics
+from edgespec.server.inflight import Inflight
 from edgespec.server.live import _Live
 from edgespec.server.replies import _error, _failure, _failure_message
 from edgespec.server.requests import (
@@ -38,17 +39,18 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 class Completions:
     """``POST /v1/completions`` and ``/v1/chat/completions``: a request is checked and
-    tokenized off the event loop, waits for a free slot at the gate, runs in a thread of its
-    own (up to ``Ring.parallel`` at once, one per slot), and answers as one body or as
-    server-sent events; a client that hangs up stops it."""
+    tokenized off the event loop, takes its place in the ring's queue, runs in a thread of its
+    own once the scheduler gives it a slot (up to ``Ring.parallel`` at once), and answers as
+    one body or as server-sent events; a client that hangs up stops it (or withdraws it from
+    the queue)."""
 
-    def __init__(self, ring: Ring, model_name: str, *, gate: _Gate, inflight: _Inflight,
-                 live: _Live, count: Callable[[str], None], max_queue: int, max_body: int,
+    def __init__(self, ring: Ring, model_name: str, *, inflight: Inflight,
+                 live: _Live, count: Callable[[str], None], max_body: int,
                  known_names: set[str], metrics: Metrics | None = None) -> None:
         self.ring, self.model_name = ring, model_name
         self.metrics = metrics
-        self.gate, self.inflight, self.live, self.count = gate, inflight, live, count
-        self.max_queue, self.max_body = max_queue, max_body
+        self.inflight, self.live, self.count = inflight, live, count
+        self.max_body = max_body
         self.known_names = known_names
         self.warned_names: set[str] = set()
 
@@ -112,12 +114,12 @@ class Completions:
             "ttft_ms": None if ttft is None else round(ttft * 1e3, 1),
             "finish": gen.finish_reason, "recoveries": st.recoveries})
 
-    def _launch(self, ticket: int, make_stream: Callable[[], TextStream], cancel: threading.Event,
-                max_tokens: int, kind: str = "chat") -> asyncio.Queue:
-        """Run the generation in a thread of its own once its turn comes; pieces, then the
-        ``Generation`` (or the exception), then ``None`` arrive on the returned queue.
-        A thread per request (not the loop's small default pool) so that requests waiting
-        for their turn never starve other work."""
+    def _launch(self, name: str, stream: TextStream, cancel: threading.Event,
+                kind: str = "chat") -> asyncio.Queue:
+        """Run the generation in a thread of its own (it waits there for its turn); pieces,
+        then the ``Generation`` (or the exception), then ``None`` arrive on the returned
+        queue. A thread per request (not the loop's small default pool) so that requests
+        waiting for their turn never starve other work."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Any] = asyncio.Queue()
 
@@ -125,17 +127,9 @@ class Completions:
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
         def produce() -> None:
-            entered = False
             try:
-                # A request cancelled while queued (the client left) withdraws at once and
-                # never reaches the ring.
-                entered = self.gate.wait_turn(ticket, cancel)
-                if not entered or cancel.is_set():
-                    self.count("abandoned")
-                    return
                 t0 = time.perf_counter()
                 ttft = None
-                stream = make_stream()
                 try:
                     for piece in stream:
                         if ttft is None:
@@ -166,11 +160,9 @@ class Completions:
                 put(exc)
             finally:
                 self.inflight.discard(cancel)
-                if entered:
-                    self.gate.leave()
                 put(None)
 
-        threading.Thread(target=produce, name=f"edgespec-serve-{ticket}", daemon=True).start()
+        threading.Thread(target=produce, name=f"edgespec-serve-{name}", daemon=True).start()
         return queue
 
     def _prepare(self, raw: bytes, chat: bool) -> tuple[Any, Prepared]:
@@ -199,21 +191,24 @@ class Completions:
         if not self.inflight.add(cancel):
             return _error(503, "the server is shutting down", "server_error",
                           code="shutting_down")
-        ticket = self.gate.try_enter()
-        if ticket is None:
+        try:
+            ticket = self.ring.admit()
+        except errors.RingBusy:
             self.inflight.discard(cancel)
             self.count("rejected")
             if self.metrics is not None:
                 self.metrics.requests.labels("chat" if chat else "completion", "rejected").inc()
             # Retry-After: OpenAI clients wait this long before their automatic retries.
-            return _error(429, f"server busy: {self.max_queue} requests already queued; retry later",
+            limit = self.ring.scheduler.max_queue
+            return _error(429, f"server busy: {limit} requests already queued; retry later",
                           "rate_limit_exceeded", code="rate_limit_exceeded",
                           headers={"Retry-After": "1"})
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
-        queue = self._launch(ticket, lambda: self.ring.stream_prepared(prepared, cancel),
-                             cancel, prepared.params.max_tokens,
-                             "chat" if chat else "completion")
+        # A request cancelled while queued (the client left) withdraws at once and never
+        # reaches the ring.
+        queue = self._launch(rid, self.ring.stream_prepared(prepared, cancel, ticket),
+                             cancel, "chat" if chat else "completion")
 
         if req.stream:
             return StreamingResponse(

@@ -212,6 +212,22 @@ function drawRing(snap) {
     (snap.serving ? " · answering" : "") + (snap.queued ? ` · ${snap.queued} queued` : "");
 }
 
+// The speculation menu lists the modes this ring runs (``modes`` of its snapshot, from the
+// server's one registry of modes); the choice made is kept while it is still offered.
+function fillModes(modes) {
+  const select = $("spec");
+  if (!Array.isArray(modes) || !modes.length) return;
+  const have = Array.from(select.options, (o) => o.value);
+  if (have.join() === modes.join()) return;
+  const chosen = select.value;
+  select.replaceChildren(...modes.map((m) => {
+    const o = document.createElement("option");
+    o.value = m; o.textContent = m;
+    return o;
+  }));
+  select.value = modes.includes(chosen) ? chosen : modes[0];
+}
+
 function applySnapshot(snap) {
   state.snapshot = snap;
   $("model").textContent = snap.model ? `${snap.model} · ${(snap.stages || []).length} stage(s)` : "";
@@ -224,6 +240,7 @@ function applySnapshot(snap) {
     banner.innerHTML = "<strong>The ring is down.</strong> " + Markdown.escape(snap.message || "") +
       (snap.hint ? "<br>To bring it up: <code>" + Markdown.escape(snap.hint) + "</code>" : "");
   }
+  fillModes(snap.modes);
   drawRing(snap);
   if (snap.history) { state.history = snap.history.slice(); drawCharts(); }
 }

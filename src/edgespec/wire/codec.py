@@ -59,7 +59,7 @@ class FieldTag(IntEnum):
     TOKENS = 1  # int32 [n] token ids
     POSITIONS = 2  # int32 [n] positions
     SEQ_IDS = 3  # bool [n, n_seq]: token i belongs to sequence j (bit-packed)
-    PARENTS = 4  # int32 [n] tree parent index, -1 for a root, else < own index
+    # 4 is reserved: a tree-parents field no stage reads (trees are the head's alone).
     HIDDEN = 5  # float [n, n_embd] hidden states (f32 / f16 / q8)
     KV_OPS = 6  # int32 [m, 5] KV operations (see KvOpCode)
     TARGETS = 7  # int32 [k] the target model's token after each wanted row (RESULT)
@@ -100,7 +100,6 @@ _FIELD_RULES: dict[FieldTag, _Rule] = {
     FieldTag.TOKENS: _I32_1D,
     FieldTag.POSITIONS: _I32_1D,
     FieldTag.SEQ_IDS: _Rule(frozenset({Encoding.BITS}), 2),
-    FieldTag.PARENTS: _I32_1D,
     FieldTag.HIDDEN: _Rule(frozenset({Encoding.F32, Encoding.F16, Encoding.Q8}), 2),
     FieldTag.KV_OPS: _Rule(frozenset({Encoding.I32}), 2, cols=5),
     FieldTag.TARGETS: _I32_1D,
@@ -124,18 +123,18 @@ _SCHEMAS: dict[Kind, tuple[frozenset[FieldTag], frozenset[FieldTag]]] = {
     # operations every stage applies before them (KV_OPS, ordered with the rows they clean).
     Kind.TOKENS: (
         frozenset({_T.TOKENS, _T.POSITIONS, _T.SEQ_IDS}),
-        frozenset({_T.PARENTS, _T.NODES, _T.KV_OPS, _T.META}),
+        frozenset({_T.NODES, _T.KV_OPS, _T.META}),
     ),
     Kind.HIDDEN: (
         frozenset({_T.HIDDEN, _T.POSITIONS, _T.SEQ_IDS}),
-        frozenset({_T.TOKENS, _T.PARENTS, _T.NODES, _T.KV_OPS, _T.META}),
+        frozenset({_T.TOKENS, _T.NODES, _T.KV_OPS, _T.META}),
     ),
     Kind.RESULT: (frozenset({_T.TARGETS}), frozenset({_T.NODES, _T.META})),
     Kind.KV_OPS: (frozenset({_T.KV_OPS}), frozenset({_T.META})),
     Kind.PRUNE: (frozenset({_T.NODES}), frozenset({_T.TOKENS, _T.META})),
 }
 # Fields whose first axis is the batch's token count; they must agree within one frame.
-_PER_TOKEN = (_T.TOKENS, _T.POSITIONS, _T.SEQ_IDS, _T.PARENTS, _T.NODES, _T.HIDDEN)
+_PER_TOKEN = (_T.TOKENS, _T.POSITIONS, _T.SEQ_IDS, _T.NODES, _T.HIDDEN)
 _PER_TOKEN_KINDS = frozenset({Kind.TOKENS, Kind.HIDDEN})
 
 
@@ -184,7 +183,7 @@ _I4, _F4, _F2 = np.dtype("<i4"), np.dtype("<f4"), np.dtype("<f2")
 _I32, _F32, _F16, _Q8, _BITS, _JSON, _BYTES = (Encoding.I32, Encoding.F32, Encoding.F16,
                                                 Encoding.Q8, Encoding.BITS, Encoding.JSON,
                                                 Encoding.BYTES)
-_HIDDEN, _SEQ_IDS, _KV_OPS, _PARENTS = _T.HIDDEN, _T.SEQ_IDS, _T.KV_OPS, _T.PARENTS
+_HIDDEN, _SEQ_IDS, _KV_OPS = _T.HIDDEN, _T.SEQ_IDS, _T.KV_OPS
 # One encoder object: json.dumps with these arguments would build a new one per call. Same
 # bytes (the C encoder, float repr, compact separators).
 _json_encode = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
@@ -366,7 +365,7 @@ def _decode_data(spec: _Spec, enc: Encoding, shape: tuple[int, ...], data: memor
 class Message:
     """A decoded frame: kind, routing ids and typed fields.
 
-    Field values: int32 arrays for TOKENS/POSITIONS/PARENTS/TARGETS/NODES, a bool matrix for
+    Field values: int32 arrays for TOKENS/POSITIONS/TARGETS/NODES, a bool matrix for
     SEQ_IDS (read-only when decoded), float arrays for HIDDEN (sent with ``hidden_encoding``), an int32 [m, 5] array or a
     list of ``KvOp`` for KV_OPS, a dict for META, bytes for BLOB.
     """
@@ -603,9 +602,6 @@ def _validate(schema: _Schema, shapes: Mapping[FieldTag, tuple[int, ...]],
             low = _lowest(a)
             if low < 0:
                 raise WireError(f"{tag.name}: negative value {low}")
-    p = checked.get(_PARENTS)
-    if p is not None and p.size and (np.any(p < -1) or np.any(p >= np.arange(p.size))):
-        raise WireError("PARENTS: each parent must be -1 or an earlier node index")
 
 
 def kv_ops_array(ops: Any) -> np.ndarray:

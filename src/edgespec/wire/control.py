@@ -267,7 +267,7 @@ class HealthReply(Reply):
 class ProfileReply(Reply):
     ms_per_layer: dict[int, StrictFloat]
     layers_profiled: StrictInt
-    free_ram: StrictInt
+    free_ram: StrictInt  # for a plan: the windows the node holds now count as free
     free_vram: StrictInt | None = None
     n_layer: StrictInt
 

@@ -35,7 +35,6 @@ def tokens_message(
     tokens: Any,
     positions: Any,
     seq_ids: np.ndarray,
-    parents: Any | None = None,
     *,
     lap_id: int = 0,
     segment_id: int = 0,
@@ -45,8 +44,6 @@ def tokens_message(
 ) -> Message:
     """A TOKENS message (head -> first stage)."""
     f: dict[FieldTag, Any] = {FieldTag.TOKENS: tokens, FieldTag.POSITIONS: positions, FieldTag.SEQ_IDS: seq_ids}
-    if parents is not None:
-        f[FieldTag.PARENTS] = parents
     if meta is not None:
         f[FieldTag.META] = dict(meta)
     return Message(Kind.TOKENS, f, request_id, lap_id, segment_id, flags)
@@ -59,7 +56,6 @@ def hidden_message(
     *,
     encoding: str | Encoding = "f32",
     tokens: Any | None = None,
-    parents: Any | None = None,
     lap_id: int = 0,
     segment_id: int = 0,
     request_id: int = 0,
@@ -73,8 +69,6 @@ def hidden_message(
     f: dict[FieldTag, Any] = {FieldTag.HIDDEN: hidden, FieldTag.POSITIONS: positions, FieldTag.SEQ_IDS: seq_ids}
     if tokens is not None:
         f[FieldTag.TOKENS] = tokens
-    if parents is not None:
-        f[FieldTag.PARENTS] = parents
     if meta is not None:
         f[FieldTag.META] = dict(meta)
     return Message(Kind.HIDDEN, f, request_id, lap_id, segment_id, flags, hidden_encoding=enc)

@@ -1,7 +1,9 @@
 """Mode ``flow`` (FlowSpec): the tree goes out in small segments, back to back, so every stage
 works at once; each segment's targets are verified as they return, rows of rejected branches
 are pruned everywhere (also in flight), and whenever no result is waiting the head drafts
-further ahead below the accepted frontier (dynamic expansion).
+further ahead below the accepted frontier (dynamic expansion). Whether a step is a tree at all
+and its segments' size come from ``TreePolicy.flow_segment``; how far ahead to draft from the
+measured acceptance (``ahead_limit``).
 """
 
 from __future__ import annotations
@@ -14,55 +16,55 @@ import numpy as np
 
 from edgespec.batch import Sampling
 from edgespec.head.engine.inflight import TreeInFlight
+from edgespec.head.engine.mode import Mode
 from edgespec.tree import core
 from edgespec.tree.kvop import KvOp, KvOpCode
 
 
-class FlowMode:
-    """Mode ``flow`` (FlowSpec): the tree goes out in small segments, back to back, so every stage"""
+class FlowMode(Mode):
+    """FlowSpec steps: segments in flight back to back, step-wise verification, pruning in
+    flight and dynamic expansion below the accepted frontier."""
 
-    def _flow_segment(self) -> int:
-        """Flow mode: rows per segment (0: a plain step). An explicit budget is spread over
-        the stages; otherwise FLOW_SEGMENT while tree steps measurably beat plain laps
-        (``GainMeter``: a trial per generation, then probes that back off), else plain laps.
-        How far ahead to draft follows the measured acceptance (_ahead_limit)."""
-        if self.fixed_budget:
-            seg = self._segment_size(self.fixed_budget)
-        else:
-            seg = self.FLOW_SEGMENT if self.gain.want_tree(self.sharers()) else 0
-            self.stats.probes = self.gain.probes
-        self.stats.segment = seg
-        self.stats.budget = self._ahead_limit() if seg else 0
-        self._log_choice("flow", segment=seg, ahead=self.stats.budget)
-        return seg
+    name = "flow"
+    summary = ("FlowSpec: the tree streams through the ring in segments, verified step by "
+               "step, pruned and expanded in flight")
 
-    def _segment_size(self, budget: int) -> int:
-        """Rows per FlowSpec segment for an explicit budget: spread over the stages (or over
-        ``segments``)."""
-        n = self.fixed_segments or max(1, self.chain.n_stages)
-        return max(1, math.ceil(budget / n))
+    #: Draft ahead only while the next row is at least this likely to be needed: by the
+    #: measured top-1 acceptance (``ahead_limit``) and by the draft's own odds of the path
+    #: to it (docs/experiments.md 3).
+    AHEAD_MIN_P = 0.3
+    #: How much less waste each further request decoding allows (``ahead_limit``;
+    #: docs/experiments.md 8).
+    AHEAD_SHARED = 0.25
+    #: Draft ahead along the likeliest leaf only (a chain), not best-first over the whole
+    #: subtree: siblings were wasted rows more often than saved laps (docs/experiments.md 3).
+    AHEAD_CHAIN = True
 
-    def _steps_flow(self, root: int, sampling: Sampling) -> Iterator[list[int]]:
-        stale = self._stale  # lap -> results still to come from decided trees
-        gain = self.gain
+    def steps(self, root: int, sampling: Sampling) -> Iterator[list[int]]:
+        ctx, policy = self.ctx, self.ctx.policy
+        stale = ctx.stale  # lap -> results still to come from decided trees
         while True:
-            users = self.sharers()  # requests decoding during the step, at most (gain.py)
-            seg = self._flow_segment()
+            users = ctx.sharers()  # requests decoding during the step, at most
+            seg = policy.flow_segment(users, ctx.chain.n_stages)
+            ctx.stats.probes = policy.probes
+            ctx.stats.segment = seg
+            ctx.stats.budget = self.ahead_limit() if seg else 0
+            ctx.log_choice("flow", segment=seg, ahead=ctx.stats.budget)
             t_step = time.perf_counter()
             if seg == 0:
-                self._drain_stale()  # a plain lap reads the next result: make it its own
+                ctx.drain_stale()  # a plain lap reads the next result: make it its own
                 t = time.perf_counter()
-                gain.charge_tree(t - t_step)  # the last tree's rows still in flight
-                gained = self._plain_step(root, sampling)
+                policy.charge_tree(t - t_step)  # the last tree's rows still in flight
+                gained = ctx.plain_step(root, sampling)
                 root = gained[-1]
                 yield gained
-                gain.record_plain(time.perf_counter() - t, max(users, self.sharers()))
+                policy.record_plain(time.perf_counter() - t, max(users, ctx.sharers()))
                 continue
             # Start the ring on the first segment at once; the rest of the tree is drafted
             # while that segment is in flight (below).
-            rnd = self._new_tree(root, sampling, seg)
-            rnd_chain = self.chain
-            self._send_rows(rnd, sampling, 1)
+            rnd = ctx.new_tree(root, sampling, seg)
+            rnd_chain = ctx.chain
+            ctx.send_rows(rnd, sampling, 1)
             decision = None
             ready: dict[int, object] = {}  # segment -> result, fed in segment order
             next_seg = 0
@@ -71,11 +73,11 @@ class FlowMode:
                 while decision is None:
                     # Never wait idle: while no result is back, draft further below the
                     # accepted frontier and inject it (dynamic expansion).
-                    if not self.chain.has_result() and self._draft_ahead(rnd, sampling, seg):
+                    if not ctx.chain.has_result() and self.draft_ahead(rnd, sampling, seg):
                         continue
-                    res = self.chain.next_result()
-                    self.stats.lap_timing.got(res)
-                    self.stats.laps += 1
+                    res = ctx.chain.next_result()
+                    ctx.stats.lap_timing.got(res)
+                    ctx.stats.laps += 1
                     if res.lap != rnd.lap:
                         stale[res.lap] -= 1  # a decided tree's segment: already pruned
                         continue
@@ -85,14 +87,15 @@ class FlowMode:
                     # it); the verifier takes rows in order, so feed contiguous segments only.
                     while decision is None and next_seg in ready:
                         r = ready.pop(next_seg)
-                        a, b = rnd.seg_rows[next_seg]
+                        a, _b = rnd.seg_rows[next_seg]
                         next_seg += 1
-                        rnd.verified_rows = b
+                        rnd.verified_rows = _b
+                        assert rnd.verifier is not None
                         d = rnd.verifier.feed_targets(r.targets, a, rows=r.nodes)
                         if d.status == core.ACCEPTED:
                             decision = d
                         else:
-                            self._prune(rnd, d)
+                            self.prune(rnd, d)
                             # A pending decision's tokens are final: stream them now.
                             if len(d.tokens) > streamed:
                                 new = [int(t) for t in d.tokens[streamed:]]
@@ -104,84 +107,71 @@ class FlowMode:
                 # The caller has all it wants in the middle of a step: forget the step
                 # (nothing of it was committed) and drop its rows everywhere. (Unless the
                 # chain was replaced after a failure: then there is nothing to clean.)
-                if self.chain is not rnd_chain:
+                if ctx.chain is not rnd_chain:
                     raise
                 if rnd.outstanding:
                     stale[rnd.lap] += len(rnd.outstanding)
-                self.chain.prune(range(rnd.sent_rows), lap=rnd.lap)
-                self._pending_ops.append(KvOp(KvOpCode.KEEP, 0))
+                ctx.chain.prune(range(rnd.sent_rows), lap=rnd.lap)
+                ctx.pending_ops.append(KvOp(KvOpCode.KEEP, 0))
                 raise
-            # (No observe_lap here: a flow step overlaps many segments, so its duration is
-            # not the lap time the sync-mode model needs.)
+            # (No lap observed here: a flow step overlaps many segments, so its duration is
+            # not the lap time the cost model fits.)
             if rnd.outstanding:
                 # Everything still in flight belongs to a decided tree: drop it on the way.
                 stale[rnd.lap] += len(rnd.outstanding)
-                self.chain.prune(range(rnd.sent_rows), lap=rnd.lap)
-            gained = self._finish_tree(rnd, decision)
+                ctx.chain.prune(range(rnd.sent_rows), lap=rnd.lap)
+            gained = ctx.finish_tree(rnd, decision)
             root = gained[-1]
             yield gained[streamed:]
-            gain.record_tree(len(gained), time.perf_counter() - t_step,
-                             max(users, self.sharers()))
+            policy.record_tree(len(gained), time.perf_counter() - t_step,
+                               max(users, ctx.sharers()))
 
-    def _prune(self, rnd: TreeInFlight, d) -> None:
+    def prune(self, rnd: TreeInFlight, d: core.Decision) -> None:
         """After a partial decision: drop rows off the accepted path from batches still in
         flight, and move the step's frontier down the accepted path."""
+        ctx = self.ctx
         alive_before = rnd.tree.alive()[: rnd.tree.n_rows].copy()
         plan = rnd.tree.prune(d)
         dead = np.flatnonzero(alive_before & ~rnd.tree.alive()[: rnd.tree.n_rows])
         if len(dead):
             # Rows die at once everywhere (direct message); their seqs are freed in ring
             # order (pre_ops of the next batch), behind any of their rows still in flight.
-            self.chain.prune(dead.tolist(), lap=rnd.lap)
-            self.stats.rows_pruned += len(dead)
-            self._pending_ops.extend(KvOp.rows(plan.ops))
+            ctx.chain.prune(dead.tolist(), lap=rnd.lap)
+            ctx.stats.rows_pruned += len(dead)
+            ctx.pending_ops.extend(KvOp.rows(plan.ops))
         rnd.frontier = int(d.path[-1])
         rnd.frontier_tokens = [int(t) for t in d.tokens]
-        if self.listeners:
-            self._emit({"e": "verify", "lap": rnd.lap, "accepted": [int(r) for r in d.path],
-                        "rejected": dead.tolist()})
+        if ctx.listeners:
+            ctx.emit({"e": "verify", "lap": rnd.lap, "accepted": [int(r) for r in d.path],
+                      "rejected": dead.tolist()})
 
-    #: Draft ahead only while the next row is at least this likely to be needed: by the
-    #: measured top-1 acceptance (_ahead_limit) and by the draft's own odds of the path to it.
-    #: (10 ms hops, 4 prompts, x none: 0.15 -> 1.89, 0.3 -> 1.89, 0.5 -> 1.79.)
-    AHEAD_MIN_P = 0.3
-    #: How much less waste each further request decoding allows (_ahead_limit). 1.5B/0.5B,
-    #: 4 stages, 10 ms per hop, 4 clients on 4 slots, two reps each (tok/s): 0 -> 15.95,
-    #: 14.59; 0.1 -> 16.75, 15.34; 0.25 -> 17.52, 16.78; 0.4 -> 16.21, 15.08; 0.6 -> 15.57,
-    #: 15.16 (the rep-to-rep noise is about 1 tok/s). A shrink of 1 - 0.7/k (about 0.37
-    #: here) was tried once, with different prompts on the two rings it compared, and taken
-    #: out.
-    AHEAD_SHARED = 0.25
-    #: Draft ahead along the likeliest leaf only (a chain), not best-first over the whole
-    #: subtree: siblings were wasted rows more often than saved laps (10 ms hops, 4 prompts,
-    #: 1-row segments: 1.89x none with chains, 1.81x best-first, which pruned 43% of the rows
-    #: on the worst prompt).
-    AHEAD_CHAIN = True
-
-    def _ahead_limit(self) -> int:
+    def ahead_limit(self) -> int:
         """Unverified rows worth having in flight: the depth k at which a chain of top-1 draft
         guesses, each accepted with the measured rate a, is still wholly accepted with
         probability a**k >= AHEAD_MIN_P (a deeper row is more likely wasted work than not).
 
-        Shrunk, gently, while other requests decode (docs/design.md 5.8): a row wasted then
+        Shrunk, gently, while other requests decode (docs/design.md 6.5): a row wasted then
         is compute taken from them, on a ring that their rows keep busy anyway."""
-        a = float(min(max(self.cost.acceptance()[0], 1e-3), 0.999))
+        ctx = self.ctx
+        a = float(min(max(ctx.policy.cost.acceptance()[0], 1e-3), 0.999))
         # With k requests decoding, the allowance for waste shrinks by AHEAD_SHARED for
         # each other one (0.3 alone, 0.49 for 2, 0.61 for 3, 0.70 for 4).
-        need = 1.0 - (1.0 - self.AHEAD_MIN_P) * (1.0 - self.AHEAD_SHARED) ** (self.sharers() - 1)
-        return max(1, min(self.max_depth, int(math.log(need) / math.log(a))))
+        need = 1.0 - (1.0 - self.AHEAD_MIN_P) * (1.0 - self.AHEAD_SHARED) ** (ctx.sharers() - 1)
+        return max(1, min(ctx.max_depth, int(math.log(need) / math.log(a))))
 
-    def _draft_ahead(self, rnd: TreeInFlight, sampling: Sampling, seg: int) -> bool:
+    def draft_ahead(self, rnd: TreeInFlight, sampling: Sampling, seg: int) -> bool:
         """Draft up to ``seg`` more nodes below the step's accepted frontier and send them as
-        one segment, unless enough unverified rows are in flight already or the caller wants
-        no more tokens than those could give. False when nothing was sent."""
-        if self.drafter is None:
+        one segment, unless the policy wants no lookahead now (a trial), enough unverified
+        rows are in flight already, or the caller wants no more tokens than those could
+        give. False when nothing was sent."""
+        ctx = self.ctx
+        if ctx.drafter is None or not ctx.policy.lookahead():
             return False
         n = rnd.tree.n_rows
         alive = rnd.tree.alive()[:n].astype(bool)
         unverified = np.flatnonzero(alive[rnd.verified_rows:]) + rnd.verified_rows
         ahead = len(unverified)
-        if ahead >= self._ahead_limit() or ahead + 1 >= self._room:
+        if ahead >= self.ahead_limit() or ahead + 1 >= ctx.room:
             return False
         under, path = rnd.frontier, list(rnd.frontier_tokens)
         if ahead:
@@ -208,18 +198,15 @@ class FlowMode:
                 if walk == rnd.frontier:
                     under, path = best_leaf, path + below[::-1]
         td = time.perf_counter()
-        dt = self.drafter.propose_under(path, seg, self.max_depth)
+        dt = ctx.drafter.propose_under(path, seg, ctx.max_depth)
         spent = time.perf_counter() - td
-        self.stats.draft_s += spent
+        ctx.stats.draft_s += spent
         if len(dt) == 0:
             return False
-        self.cost.observe_draft(len(dt), spent * 1e3)
-        self._draft_into(rnd.tree, under, dt)
+        ctx.policy.cost.observe_draft(len(dt), spent * 1e3)
+        ctx.draft_into(rnd.tree, under, dt)
         rnd.tree.select(seg)
         rnd.expansions += 1
         before = rnd.sent_rows
-        self._send_rows(rnd, sampling, 1)
+        ctx.send_rows(rnd, sampling, 1)
         return rnd.sent_rows > before
-
-
-# ---------------------------------------------------------------------- glue to the core

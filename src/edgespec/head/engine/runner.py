@@ -1,24 +1,8 @@
-"""The speculative engine on the head: drafts trees, drives laps through the chain, verifies,
-and plans the KV rollback every stage applies.
-
-Modes (``mode=``):
-
-- ``none``: pipelined autoregressive decoding, one token per lap (the baseline).
-- ``sync``: one drafted tree per lap, verified as a whole on its return.
-- ``flow`` (FlowSpec): the tree goes out in small segments, back to back, so every stage works
-  at once; each segment's targets are verified as they return (step-wise), rows of rejected
-  branches are pruned everywhere (also in flight), and whenever no result is waiting the head
-  drafts further ahead below the accepted frontier and injects that too (dynamic expansion),
-  as far ahead as the measured acceptance makes worthwhile. A step ends where the target's
-  token was not drafted; the next tree starts from it at once.
-- ``auto``: ``flow`` when the chain has several stages and a drafter exists, else ``sync``
-  with a drafter, else ``none``.
-
-Unless the budget is fixed, ``flow`` decodes a tree only while trees measurably pay: each
-generation starts with a short trial, then tree steps continue only while their tokens per
-second beat a plain lap's, else plain laps (exactly mode ``none``) with probes that back off
-(``GainMeter``). ``sync`` sizes its tree (0: a plain lap) from the cost model, with a probe every
-few plain steps.
+"""The speculative engine on the head (``SpecEngine``): a generation's lifecycle, its prefill,
+and the step operations every mode shares (a plain lap, drafting a tree, sending its rows,
+committing a decision with its KV rollback). What each step sends is the mode's
+(``edgespec.head.engine.mode``, one file per mode, listed in ``registry``); whether a tree pays
+and how big is ``TreePolicy``'s (``policy``).
 
 KV discipline (docs/design.md 3): committed tokens live in llama.cpp sequence 0 on every
 stage. A tree's root is the last accepted token, not yet in KV; every tree row carries the
@@ -42,44 +26,40 @@ import numpy as np
 from edgespec.batch import Batch, Sampling, SeqIds
 from edgespec.drafters.base import Drafter, DraftTree
 from edgespec.head.chain import Chain
+from edgespec.head.engine.config import EngineConfig
 from edgespec.head.engine.cost import CostModel
-from edgespec.head.engine.flow import FlowMode
 from edgespec.head.engine.gain import GainMeter, RingRates
 from edgespec.head.engine.inflight import TreeInFlight, sampling_config
-from edgespec.head.engine.none import NoneMode
+from edgespec.head.engine.policy import TreePolicy
+from edgespec.head.engine.registry import MODES, resolve
 from edgespec.head.engine.stats import GenerationStats
-from edgespec.head.engine.sync import SyncMode
 from edgespec.tree import core
 from edgespec.tree.kvop import KvOp, KvOpCode
 
 log = logging.getLogger("edgespec.head.engine")
 
-MODES = ("none", "sync", "flow", "auto")
-
-
-class SpecEngine(NoneMode, SyncMode, FlowMode):
-    """Drives generations over a ``Chain``; owns the committed history (KV sequence 0)."""
+class SpecEngine:
+    """Drives generations over a ``Chain``; owns the committed history (KV sequence 0). The
+    modes (``edgespec.head.engine.registry``) decode the steps; this is their
+    ``StepContext``."""
 
     def __init__(self, chain: Chain, *, drafter: Drafter | None = None, n_ctx: int = 4096,
-                 is_eog: Callable[[int], bool] = lambda t: False, budget: int | None = None,
-                 max_depth: int = 12, segments: int | None = None, prefill_chunk: int = 256,
-                 cost: CostModel | None = None, ring_rates: RingRates | None = None,
-                 max_seqs: int = core.MAX_SEQS) -> None:
+                 config: EngineConfig | None = None, cost: CostModel | None = None,
+                 ring_rates: RingRates | None = None, max_seqs: int = core.MAX_SEQS) -> None:
+        config = config or EngineConfig()
         self.chain = chain
         # Tree leaves at most (each owns a seq id 1..max_seqs): a slot of a ring serving
         # several sequences owns fewer seq ids (edgespec.head.slots).
         self.max_seqs = max_seqs
         self.drafter = drafter
         self.n_ctx = n_ctx
-        self.is_eog = is_eog
-        self.fixed_budget = budget
-        self.max_depth = max_depth
-        self.fixed_segments = segments
-        self.prefill_chunk = prefill_chunk
-        # What the engine measures of the ring (the cost model, the gain meter's rates): a ring's
-        # slots share one of each (edgespec.api.Ring).
-        self.cost = cost or CostModel()
-        self.gain = GainMeter(ring_rates)
+        self.config = config
+        self.max_depth = config.max_depth
+        self.prefill_chunk = config.prefill_chunk
+        # Whether a tree pays and how big: what it measures of the ring (the cost model, the
+        # gain meter's rates) is shared by a ring's slots (edgespec.api.Ring).
+        self.policy = TreePolicy(cost, ring_rates, budget=config.budget,
+                                 segments=config.segments)
         self.history: list[int] = []  # tokens committed in KV sequence 0 on every stage
         self.stats = GenerationStats()
         # Lap ids name batches on every stage (pruning remembers recent laps): start each head
@@ -88,10 +68,9 @@ class SpecEngine(NoneMode, SyncMode, FlowMode):
         self._lap_high, self._lap_mask = 0, 0x7FFFFFFF  # the whole space (see use_laps)
         # A new head knows nothing of what the stages hold: its first batch starts from an
         # empty cache (ordered ahead of that batch like any other KV operation).
-        self._pending_ops: list[KvOp] = KvOp.clear()
-        self._stale: Counter = Counter()  # lap -> results of decided trees still in flight
-        self._plain_steps = 0
-        self._room = 0
+        self.pending_ops: list[KvOp] = KvOp.clear()
+        self.stale: Counter = Counter()  # lap -> results of decided trees still in flight
+        self.room = 0  # tokens the caller still wants (flow stops expanding past it)
         self._last_choice: tuple | None = None
         # Observers of tree events (the server's live view); empty: no event is even built.
         self.listeners: list[Callable[[dict], None]] = []
@@ -101,38 +80,40 @@ class SpecEngine(NoneMode, SyncMode, FlowMode):
 
     # ------------------------------------------------------------------ public
 
+    @property
+    def cost(self) -> CostModel:
+        return self.policy.cost
+
+    @property
+    def gain(self) -> GainMeter:
+        return self.policy.gain
+
     def reset(self) -> None:
         """Drop every stage's KV (all sequences) and forget the history."""
-        self._pending_ops = []
+        self.pending_ops = []
         self.chain.kv(KvOp.clear())
         self.history = []
 
     def resolve_mode(self, mode: str) -> str:
-        if mode not in MODES:
-            raise ValueError(f"spec mode must be one of {', '.join(MODES)}, got {mode!r}")
-        if mode == "auto":
-            if self.drafter is None:
-                return "none"
-            return "flow" if self.chain.n_stages > 1 else "sync"
-        if mode in ("sync", "flow") and self.drafter is None:
-            raise ValueError(f"spec={mode!r} needs a drafter; this ring has none")
-        return mode
+        """The mode ``mode`` runs as on this ring (``registry.resolve``)."""
+        return resolve(mode, has_drafter=self.drafter is not None,
+                       n_stages=self.chain.n_stages)
 
     def replace_chain(self, chain: Chain) -> None:
         """Continue on another chain (after a node loss): its stages hold nothing yet."""
         self.chain = chain
         self.history = []
-        self._stale.clear()
-        self._pending_ops = KvOp.clear()
+        self.stale.clear()
+        self.pending_ops = KvOp.clear()
 
     def run(self, prompt: Sequence[int], *, max_tokens: int, sampling: Sampling,
             mode: str = "auto", cancel: threading.Event | None = None,
-            replay: int = 0, t_start: float | None = None, ignore_eos: bool = False
-            ) -> Iterator[list[int]]:
+            replay: int = 0, t_start: float | None = None) -> Iterator[list[int]]:
         """Generate after ``prompt``; yields the tokens gained by each step, in order.
 
-        Stops after an end-of-generation token (which is yielded; ``ignore_eos``: not even
-        then), ``max_tokens`` tokens, or at the next step once ``cancel`` is set.
+        Stops after ``max_tokens`` tokens, or at the next step once ``cancel`` is set; where
+        the answer ends before that (an end-of-generation token, a stop string) is the
+        caller's to decide (``edgespec.head.output``): it closes the iterator.
         ``replay``: the last ``replay`` tokens before the prompt's last one are recomputed one
         per batch, as they were first decoded, so a generation resumed on a rebuilt ring sees
         the same numbers as the original.
@@ -152,7 +133,7 @@ class SpecEngine(NoneMode, SyncMode, FlowMode):
                              f"exceeds the context size {self.n_ctx}")
         mode = self.resolve_mode(mode)
         self.stats = GenerationStats(mode=mode, prompt_tokens=len(prompt))
-        self.gain.begin()
+        self.policy.begin()
         t0 = time.perf_counter()
         t_start = t0 if t_start is None else t_start
         drafter = self.drafter if mode != "none" else None
@@ -176,23 +157,19 @@ class SpecEngine(NoneMode, SyncMode, FlowMode):
             self.stats.draft_s += time.perf_counter() - td
         t1 = time.perf_counter()
         produced = 0
-        self._room = max_tokens  # tokens the caller still wants (flow stops expanding past it)
+        self.room = max_tokens
         failed = False
         steps = self._steps(mode, root, first, sampling)
         try:
             for chunk in steps:
                 chunk = chunk[: max_tokens - produced]
-                eog = None if ignore_eos else next(
-                    (i for i, t in enumerate(chunk) if self.is_eog(t)), None)
-                if eog is not None:
-                    chunk = chunk[: eog + 1]
                 if produced == 0 and chunk:
                     self.stats.ttft_ms = (time.perf_counter() - t_start) * 1e3
                 produced += len(chunk)
-                self._room = max_tokens - produced
+                self.room = max_tokens - produced
                 self.stats.tokens = produced
                 yield chunk
-                if eog is not None or produced >= max_tokens:
+                if produced >= max_tokens:
                     break
                 if cancel is not None and cancel.is_set():
                     break
@@ -219,10 +196,9 @@ class SpecEngine(NoneMode, SyncMode, FlowMode):
         self.stats.plain_steps += 1  # no tree: a plain lap's token (the prefill's last lap)
         self.stats.accepted_hist[1] += 1
         if self.listeners:  # the prefill's last lap brought it
-            self._emit({"e": "plain", "lap": self._lap, "root": int(root), "token": int(first)})
+            self.emit({"e": "plain", "lap": self._lap, "root": int(root), "token": int(first)})
         yield [first]
-        yield from {"none": self._steps_none, "sync": self._steps_sync,
-                    "flow": self._steps_flow}[mode](first, sampling)
+        yield from MODES[mode](self).steps(first, sampling)
 
     #: Prefill chunk size (tokens) while other requests decode on the ring: a quarter of
     #: the default chunk's rows to wait for, still a batch that fills the matmuls.
@@ -245,7 +221,7 @@ class SpecEngine(NoneMode, SyncMode, FlowMode):
         while keep < limit and self.history[keep] == prompt[keep]:
             keep += 1
         if keep < len(self.history):
-            self._pending_ops.append(KvOp(KvOpCode.RM, 0, keep, -1))
+            self.pending_ops.append(KvOp(KvOpCode.RM, 0, keep, -1))
             del self.history[keep:]
         todo = prompt[keep:-1]
         self.stats.prefill_tokens = len(todo) + 1
@@ -306,37 +282,67 @@ class SpecEngine(NoneMode, SyncMode, FlowMode):
         return self._lap
 
     def _submit(self, batch: Batch) -> None:
-        if self._pending_ops:
-            batch.pre_ops = self._pending_ops + list(batch.pre_ops)
-            self._pending_ops = []
+        if self.pending_ops:
+            batch.pre_ops = self.pending_ops + list(batch.pre_ops)
+            self.pending_ops = []
         self.stats.rows_sent += len(batch)
         self.stats.lap_timing.sent(batch)
         self.chain.submit(batch)
 
-    def _drain_stale(self) -> None:
+    def drain_stale(self) -> None:
         """Consume results of decided trees still in flight, so the next caller of
         ``next_result`` gets its own."""
-        while sum(self._stale.values()) > 0:
+        while sum(self.stale.values()) > 0:
             res = self.chain.next_result()
             self.stats.lap_timing.got(res)
-            if self._stale[res.lap] <= 0:
+            if self.stale[res.lap] <= 0:
                 raise RuntimeError(f"unexpected result for lap {res.lap} while draining")
-            self._stale[res.lap] -= 1
-        self._stale.clear()
+            self.stale[res.lap] -= 1
+        self.stale.clear()
 
     def _flush_ops(self) -> None:
-        self._drain_stale()
-        if self._pending_ops:
-            ops, self._pending_ops = self._pending_ops, []
+        self.drain_stale()
+        if self.pending_ops:
+            ops, self.pending_ops = self.pending_ops, []
             self.chain.kv(ops)
 
     def _commit(self, tokens: Sequence[int]) -> None:
         self.history.extend(int(t) for t in tokens)
 
-    # ------------------------------------------------------------------ none
+    def plain_step(self, root: int, sampling: Sampling, tell_drafter: bool = True
+                   ) -> list[int]:
+        """One token, no tree: mode ``none``'s step, and a tree mode's when its policy found
+        that a tree does not pay right now (then the drafter still learns the token)."""
+        pos = len(self.history)
+        users = self.sharers()
+        t = time.perf_counter()
+        self._submit(Batch(np.array([root], np.int32), np.array([pos], np.int32),
+                           SeqIds.single(1), np.zeros(1, np.int32), np.ones(1, bool),
+                           lap=self._new_lap(), sampling=sampling))
+        res = self.chain.next_result()
+        self.stats.lap_timing.got(res)
+        waited = time.perf_counter() - t
+        self.policy.observe_lap(1, waited * 1e3, users=max(users, self.sharers()))
+        self.stats.plain_wait_s += waited
+        self.stats.laps += 1
+        self.stats.steps += 1
+        self.stats.plain_steps += 1
+        self.stats.plain_laps += 1
+        self.stats.accepted_hist[1] += 1
+        self._commit([root])
+        token = int(res.targets[0])
+        if self.listeners:
+            self.emit({"e": "plain", "lap": int(res.lap), "root": int(root), "token": token})
+        if tell_drafter and self.drafter is not None:
+            td = time.perf_counter()
+            self.drafter.accept([token])
+            self.stats.draft_s += time.perf_counter() - td
+        return [token]
 
-    def _log_choice(self, mode: str, **choice: int) -> None:
-        """Log the cost model's tree sizing whenever it changes."""
+    # ------------------------------------------------------------------ trees
+
+    def log_choice(self, mode: str, **choice: int) -> None:
+        """Log the policy's tree sizing whenever it changes."""
         key = (mode, tuple(sorted(choice.items())))
         if key != self._last_choice:
             self._last_choice = key
@@ -346,7 +352,7 @@ class SpecEngine(NoneMode, SyncMode, FlowMode):
                      float(self.cost.acceptance()[0]), self.cost.lap_a, self.cost.lap_b,
                      self.cost.draft_ms)
 
-    def _draft_into(self, tree: core.TokenTree, under_node: int, dt: DraftTree) -> None:
+    def draft_into(self, tree: core.TokenTree, under_node: int, dt: DraftTree) -> None:
         """Add a drafter's nodes below ``under_node`` (add_nodes: a parent >= 0 is a tree
         node, -(j+1) is entry j of the same call)."""
         if len(dt) == 0:
@@ -354,19 +360,19 @@ class SpecEngine(NoneMode, SyncMode, FlowMode):
         parents = np.where(dt.parents < 0, under_node, -(dt.parents.astype(np.int64) + 1))
         tree.add_nodes(parents.astype(np.int32), dt.tokens, dt.logprobs.astype(np.float64))
 
-    def _new_tree(self, root: int, sampling: Sampling, budget: int) -> TreeInFlight:
+    def new_tree(self, root: int, sampling: Sampling, budget: int) -> TreeInFlight:
         assert self.drafter is not None
         tree = core.TokenTree(root, len(self.history), self.max_seqs)
         td = time.perf_counter()
         dt = self.drafter.propose(root, budget, self.max_depth)
         spent = time.perf_counter() - td
         self.stats.draft_s += spent
-        self.cost.observe_draft(len(dt), spent * 1e3)
-        self._draft_into(tree, 0, dt)
+        self.policy.cost.observe_draft(len(dt), spent * 1e3)
+        self.draft_into(tree, 0, dt)
         tree.select(budget)
         return TreeInFlight(self._new_lap(), tree, None, t0=time.perf_counter())
 
-    def _send_rows(self, rnd: TreeInFlight, sampling: Sampling, n_segments: int) -> None:
+    def send_rows(self, rnd: TreeInFlight, sampling: Sampling, n_segments: int) -> None:
         """Place the tree's pending nodes as rows and send them as ``n_segments`` segments."""
         ordered = rnd.tree.order()
         start, stop = int(ordered.start), int(ordered.stop)
@@ -393,24 +399,24 @@ class SpecEngine(NoneMode, SyncMode, FlowMode):
                                sampling=sampling))
             kv = []
             if self.listeners:
-                self._emit({"e": "rows", "lap": rnd.lap, "segment": seg, "rows": list(zip(
+                self.emit({"e": "rows", "lap": rnd.lap, "segment": seg, "rows": list(zip(
                     range(a, b), parents_all[a:b].tolist(), tokens_all[a:b].tolist(),
                     strict=True))})
         rnd.sent_rows = stop
 
-    def _finish_tree(self, rnd: TreeInFlight, decision) -> list[int]:
+    def finish_tree(self, rnd: TreeInFlight, decision) -> list[int]:
         """Commit the accepted path into sequence 0 (masked rollback) and return the tokens
         gained: accepted draft tokens, then the bonus token."""
         path = [int(r) for r in decision.path]
-        self._observe_acceptance(rnd.tree, path, int(decision.bonus))
+        self.policy.observe_path(rnd.tree, path)
         root_token = int(rnd.tree.root_token)
         plan = rnd.tree.commit(decision)
-        self._pending_ops.extend(KvOp.rows(plan.ops))
+        self.pending_ops.extend(KvOp.rows(plan.ops))
         tokens = [int(t) for t in plan.tokens]
         self._commit([root_token, *tokens])
         gained = [*tokens, int(decision.bonus)]
         if self.listeners:
-            self._emit({"e": "decide", "lap": rnd.lap, "accepted": path,
+            self.emit({"e": "decide", "lap": rnd.lap, "accepted": path,
                         "bonus": int(decision.bonus)})
         self.stats.steps += 1
         self.stats.accepted_hist[len(gained)] += 1
@@ -420,23 +426,7 @@ class SpecEngine(NoneMode, SyncMode, FlowMode):
         self.stats.draft_s += time.perf_counter() - td
         return gained
 
-    def _observe_acceptance(self, tree: core.TokenTree, path: list[int], bonus: int) -> None:
-        """Feed the cost model: at each step of the accepted path, which sibling rank (by
-        draft score) held the target's token, if any."""
-        n = tree.n_rows
-        parents = tree.parents()[:n]
-        scores = tree.scores()[:n]
-        alive = tree.alive()[:n]
-        steps = [*path[1:], None]
-        for node, nxt in zip(path, steps, strict=True):
-            kids = np.flatnonzero((parents == node) & alive)
-            if not len(kids):
-                continue
-            kids = kids[np.argsort(-scores[kids], kind="stable")].tolist()
-            rank = kids.index(nxt) if nxt is not None else None
-            self.cost.observe_rank(rank, len(kids))
-
-    def _emit(self, event: dict) -> None:
+    def emit(self, event: dict) -> None:
         """Hand a tree event to every listener; a failing listener never stops decoding."""
         for fn in list(self.listeners):
             try:

@@ -1,6 +1,5 @@
-"""Mode ``sync``: one drafted tree per lap, verified as a whole on its return; the tree is
-sized (0: a plain lap) from the cost model, with a probe every few plain steps.
-"""
+"""Mode ``sync``: one drafted tree per lap, verified as a whole on its return; the tree's size
+(0: a plain lap) comes from ``TreePolicy.sync_budget``."""
 
 from __future__ import annotations
 
@@ -8,49 +7,43 @@ import time
 from collections.abc import Iterator
 
 from edgespec.batch import Sampling
+from edgespec.head.engine.mode import Mode
 from edgespec.tree import core
 
 
-class SyncMode:
-    """Mode ``sync``: one drafted tree per lap, verified as a whole on its return; the tree is"""
+class SyncMode(Mode):
+    """Each step sends one whole tree in one batch and waits for its targets."""
 
-    def _budget(self) -> int:
-        """Sync mode: nodes in the next tree (0: a plain step), from the cost model."""
-        b = self.fixed_budget or self.cost.choose(self.sharers())
-        if b == 0:
-            self._plain_steps += 1
-            if self._plain_steps >= self.PROBE_EVERY:
-                self._plain_steps = 0
-                b = min(self.cost.budgets)
-        self.stats.budget = b
-        self._log_choice("sync", budget=b)
-        return b
+    name = "sync"
+    summary = "one drafted tree per lap, verified whole when it returns"
 
-    #: FlowSpec rows per segment when the budget is automatic. Measured with the 1.5B target
-    #: and 0.5B draft on 4 stages at 10 ms per hop (4 HumanEval prompts, x none): 1 row 1.89,
-    #: 2 rows 2.03, 3 rows 2.03, 4 rows 1.93. Two rows cost a stage 84 ms of decode instead
-    #: of 2 x 50 ms on this CPU; bigger segments keep the ring waiting for the drafter.
-    FLOW_SEGMENT = 2
-
-    def _steps_sync(self, root: int, sampling: Sampling) -> Iterator[list[int]]:
+    def steps(self, root: int, sampling: Sampling) -> Iterator[list[int]]:
+        ctx, policy = self.ctx, self.ctx.policy
         while True:
-            budget = self._budget()
+            users = ctx.sharers()
+            budget = policy.sync_budget(users)
+            ctx.stats.budget = budget
+            ctx.stats.probes = policy.probes
+            ctx.log_choice("sync", budget=budget)
+            t_step = time.perf_counter()
             if budget == 0:
-                gained = self._plain_step(root, sampling)
+                gained = ctx.plain_step(root, sampling)
                 root = gained[-1]
                 yield gained
+                policy.record_plain(time.perf_counter() - t_step, max(users, ctx.sharers()))
                 continue
-            users = self.sharers()
-            rnd = self._new_tree(root, sampling, budget)
-            self._send_rows(rnd, sampling, 1)
-            res = self.chain.next_result()
-            self.stats.lap_timing.got(res)
-            self.stats.laps += 1
-            self.cost.observe_lap(rnd.sent_rows, (time.perf_counter() - rnd.t0) * 1e3,
-                                  users=max(users, self.sharers()))
+            rnd = ctx.new_tree(root, sampling, budget)
+            ctx.send_rows(rnd, sampling, 1)
+            res = ctx.chain.next_result()
+            ctx.stats.lap_timing.got(res)
+            ctx.stats.laps += 1
+            users = max(users, ctx.sharers())
+            policy.observe_lap(rnd.sent_rows, (time.perf_counter() - rnd.t0) * 1e3, users)
+            assert rnd.verifier is not None
             decision = rnd.verifier.feed_targets(res.targets, 0, rows=res.nodes)
             if decision.status != core.ACCEPTED:
                 raise RuntimeError("whole-tree verification did not reach a decision")
-            gained = self._finish_tree(rnd, decision)
+            gained = ctx.finish_tree(rnd, decision)
             root = gained[-1]
             yield gained
+            policy.record_tree(len(gained), time.perf_counter() - t_step, users)

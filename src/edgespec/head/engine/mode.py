@@ -1,0 +1,90 @@
+"""The speculative modes as strategies (docs/design.md 6): a ``Mode`` decodes the steps of
+one generation over a ``StepContext``, the engine's operations every mode shares (a plain
+lap, a drafted tree, sending its rows, committing a decision). One file per mode (``none``,
+``sync``, ``flow``); ``registry`` lists them, and the CLI, the request model and the page
+read their names from it. A new mode is one file and one line in ``registry``.
+
+A mode decides what each step sends and when a step ends; the engine owns the committed
+history, lap ids, KV operations and statistics; ``TreePolicy`` (``policy``) says whether a
+tree pays now and how big it is.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, ClassVar, Protocol
+
+if TYPE_CHECKING:
+    from edgespec.batch import Sampling
+    from edgespec.drafters.base import Drafter, DraftTree
+    from edgespec.head.chain import Chain
+    from edgespec.head.engine.inflight import TreeInFlight
+    from edgespec.head.engine.policy import TreePolicy
+    from edgespec.head.engine.stats import GenerationStats
+    from edgespec.tree import core
+    from edgespec.tree.kvop import KvOp
+
+
+class StepContext(Protocol):
+    """What a mode may use of the engine (``SpecEngine`` is the one implementation)."""
+
+    chain: Chain
+    drafter: Drafter | None
+    stats: GenerationStats
+    policy: TreePolicy
+    max_depth: int
+    #: Tokens the caller still wants: a mode never drafts ahead past them.
+    room: int
+    #: lap -> results of decided trees still in flight (read and dropped by ``drain_stale``).
+    stale: Counter
+    #: KV operations due before the next batch (they travel as its ``pre_ops``).
+    pending_ops: list[KvOp]
+    listeners: list
+
+    def sharers(self) -> int:
+        """Requests decoding on the ring now, this one included."""
+
+    def plain_step(self, root: int, sampling: Sampling, tell_drafter: bool = True
+                   ) -> list[int]:
+        """One token, no tree: a lap with the root's row alone."""
+
+    def new_tree(self, root: int, sampling: Sampling, budget: int) -> TreeInFlight:
+        """A tree of at most ``budget`` drafted nodes below ``root``, not sent yet."""
+
+    def send_rows(self, rnd: TreeInFlight, sampling: Sampling, n_segments: int) -> None:
+        """Send the tree's rows not sent yet, as ``n_segments`` batches."""
+
+    def finish_tree(self, rnd: TreeInFlight, decision: core.Decision) -> list[int]:
+        """Commit a decision (masked rollback) and return the tokens gained."""
+
+    def draft_into(self, tree: core.TokenTree, under_node: int, dt: DraftTree) -> None:
+        """Add a drafter's nodes below ``under_node``."""
+
+    def drain_stale(self) -> None:
+        """Read the results of decided trees still in flight."""
+
+    def emit(self, event: dict) -> None:
+        """Hand a tree event to the listeners (the live view)."""
+
+    def log_choice(self, mode: str, **choice: int) -> None:
+        """Log the policy's sizing whenever it changes."""
+
+
+class Mode:
+    """One speculative mode: ``steps`` yields the tokens each step gains, forever (the
+    engine stops pulling at the end of the generation and closes the iterator; a mode cut
+    short in the middle of a step cleans up what it has in flight on ``GeneratorExit``)."""
+
+    #: The name requests, the CLI and the page use.
+    name: ClassVar[str]
+    #: One line for ``--help`` and the page.
+    summary: ClassVar[str]
+    #: Whether it needs a drafter (a ring without one refuses it).
+    needs_drafter: ClassVar[bool] = True
+
+    def __init__(self, ctx: StepContext) -> None:
+        self.ctx = ctx
+
+    def steps(self, root: int, sampling: Sampling) -> Iterator[list[int]]:
+        raise NotImplementedError
