@@ -65,8 +65,8 @@ def main() -> None:
 
     from bench.projection import stage_shard
     from edgespec.llm import models
+    from edgespec.llm.cpu import extra_bufts_default
     from edgespec.llm.gguf_read import read_info
-    from edgespec.llm.llamacpp import extra_bufts_default
     from edgespec.llm.shards import even_ranges
 
     model = models.ensure(args.model)

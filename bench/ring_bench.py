@@ -211,10 +211,10 @@ def link_bytes(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, i
 def _no_extra_bufts() -> Iterator[None]:
     """``llama_cpp.Llama`` has no ``use_extra_bufts`` argument; its AMX path segfaults on AMX
     Xeons (docs/design.md 3.6). Hand it default model params with extra buffer types as the ring's
-    stages get them (edgespec.llm.llamacpp.extra_bufts_default) while it loads."""
+    stages get them (edgespec.llm.cpu.extra_bufts_default) while it loads."""
     import llama_cpp.llama_cpp as ll
 
-    from edgespec.llm.llamacpp import extra_bufts_default
+    from edgespec.llm.cpu import extra_bufts_default
 
     if extra_bufts_default():
         yield

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edgespec.llm import llamacpp
+from edgespec.llm import cpu as cpu_facts
 from edgespec.node.runtime import StageRuntime
 
 # LocalPipeline is test scaffolding (tests/pipeline_fixtures.py), not part of the package.
@@ -43,7 +43,7 @@ def machine_info() -> dict:
         pass
     import llama_cpp
 
-    return {"cpu": cpu, "logical_cpus": os.cpu_count(), "physical_cores": llamacpp.physical_cores(),
+    return {"cpu": cpu, "logical_cpus": os.cpu_count(), "physical_cores": cpu_facts.physical_cores(),
             "python": platform.python_version(), "llama_cpp_python": llama_cpp.__version__,
             "load_avg_1m": os.getloadavg()[0]}
 

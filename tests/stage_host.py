@@ -1,6 +1,6 @@
 """``StageHost``: several windows of one model in one process, test scaffolding for the
 piped-ring tests (``pipeline_fixtures``) and the stage tests. Nodes host their windows as
-stage slots (``edgespec.node.slots``), not through this class.
+stage slots (``edgespec.node.datapath``), not through this class.
 """
 
 from __future__ import annotations

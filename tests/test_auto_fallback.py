@@ -12,10 +12,10 @@ from thread_helpers import race
 from tinygguf import make_tiny_gguf
 
 from edgespec.api import Ring
-from edgespec.batch import Sampling
 from edgespec.drafters import Drafter, DraftTree
 from edgespec.head.engine import SpecEngine
 from edgespec.head.engine.gain import GainMeter, RingRates
+from edgespec.params import GenerationParams
 
 
 class WrongDrafter(Drafter):
@@ -88,7 +88,7 @@ def _prompt(ring: Ring) -> list[int]:
 
 def _decode(engine: SpecEngine, prompt: list[int], n: int, mode: str) -> list[int]:
     engine.reset()
-    return [t for chunk in engine.run(prompt, max_tokens=n, sampling=Sampling(), mode=mode)
+    return [t for chunk in engine.run(prompt, GenerationParams(max_tokens=n), mode)
             for t in chunk]
 
 

@@ -301,7 +301,8 @@ print(json.dumps({k: int(st[k].split()[0]) << 10 for k in ("RssAnon", "RssFile")
 def test_a_window_is_resident_once(real_model_path, tmp_path):
     """Where CPU weights are repacked, the node reads its window: the file's pages do not
     stay mapped beside the copies."""
-    from edgespec.llm.llamacpp import extra_bufts_default, mmap_default
+    from edgespec.llm.cpu import extra_bufts_default
+    from edgespec.llm.llamacpp import mmap_default
     from edgespec.llm.shards import cut_window
 
     if mmap_default(extra_bufts_default()):

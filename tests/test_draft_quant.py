@@ -10,8 +10,8 @@ from tinygguf import make_tiny_gguf
 
 from edgespec.drafters import DraftModelDrafter
 from edgespec.drafters.quant import fast_draft, mostly_fast
+from edgespec.llm.cpu import cpu_has_amx, extra_bufts_default
 from edgespec.llm.gguf_read import read_tensor_types
-from edgespec.llm.llamacpp import cpu_has_amx, extra_bufts_default
 
 
 @pytest.fixture()

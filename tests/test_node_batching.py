@@ -1,4 +1,4 @@
-"""Merged decodes on a node (node/slots.py ``_gather``, node/worker.py ``run_many``): batches of
+"""Merged decodes on a node (node/datapath.py ``_gather``, node/worker.py ``run_many``): batches of
 other requests waiting in a stage's inbox run as ONE llama.cpp batch, then go on separately.
 
 - a real ``StageWorker`` over real runtimes: several batches of different seq ids run as one
@@ -21,9 +21,9 @@ import pytest
 from tinygguf import make_tiny_gguf
 
 from edgespec.batch import Batch, Sampling, SeqIds
+from edgespec.node.datapath import HostedStage, StageLoop
 from edgespec.node.merge import MergeFence, concat_batches, gather
 from edgespec.node.runtime import StageRuntime
-from edgespec.node.slots import StageLoop, StageSlot
 from edgespec.node.worker import StageWorker
 from edgespec.tree.kvop import KvOp, KvOpCode
 from edgespec.wire import Kind
@@ -216,20 +216,20 @@ class Loop(StageLoop):
         self.name, self.node_id, self.key = "test", "test", b""
         self._lock, self._out_conns, self._stop = threading.RLock(), {}, threading.Event()
         self.head = Head()
-        self.slots = {k: StageSlot(k, rt.layer_range, rt, is_last=k == len(runtimes) - 1)
+        self.hosted = {k: HostedStage(k, rt.layer_range, rt, is_last=k == len(runtimes) - 1)
                       for k, rt in enumerate(runtimes)}
-        for k, slot in self.slots.items():
-            slot.head_conn = self.head
-            if k + 1 in self.slots:
-                slot.next_local, slot.next_stage = self.slots[k + 1], k + 1
+        for k, hosted in self.hosted.items():
+            hosted.head_conn = self.head
+            if k + 1 in self.hosted:
+                hosted.next_local, hosted.next_stage = self.hosted[k + 1], k + 1
 
     def run(self, items) -> dict:
         for item in items:
-            self.slots[0].post(item)
-        for k in sorted(self.slots):
-            self.slots[k].post(None)
-            self._run_slot(self.slots[k])
-            assert self.slots[k].pending == 0
+            self.hosted[0].post(item)
+        for k in sorted(self.hosted):
+            self.hosted[k].post(None)
+            self._run_hosted(self.hosted[k])
+            assert self.hosted[k].pending == 0
         return self.head.results()
 
 
@@ -249,7 +249,7 @@ def test_loop_merges_and_forwards_each(windows) -> None:
     loop = Loop([rt0, rt1])
     got = loop.run(items())
     for k in (0, 1):
-        assert (loop.slots[k].batches, loop.slots[k].merged) == (5, 1)
+        assert (loop.hosted[k].batches, loop.hosted[k].merged) == (5, 1)
     assert sorted(got) == [1, 2, 3, 4, 5]
     for lap, r in got.items():
         assert r.nodes.tolist() == ([] if lap == 3 else [1000 * lap + len(ps[lap - 1]) - 1])
@@ -284,7 +284,7 @@ def test_loop_keeps_sequence_and_kv_order(windows) -> None:
     loop = Loop([rt0, rt1])
     got = loop.run(items)
     assert len(p) == 19
-    assert [(loop.slots[k].batches, loop.slots[k].merged) for k in (0, 1)] == [(5, 1), (5, 2)]
+    assert [(loop.hosted[k].batches, loop.hosted[k].merged) for k in (0, 1)] == [(5, 1), (5, 2)]
     assert got[1].targets.tolist() == []
     # Seq 1 chunked, seq 1 whole after the op, seq 2 and seq 3 the same prompt: alike.
     assert got[2].targets.tolist() == got[4].targets.tolist()
@@ -299,7 +299,7 @@ def test_loop_keeps_sequence_and_kv_order(windows) -> None:
     got = loop.run([("batch", prefill(s, ps[s], lap=s, want_last=False), None)
                     for s in range(3)])
     assert {lap: r.targets.tolist() for lap, r in got.items()} == {0: [], 1: [], 2: []}
-    assert (loop.slots[1].batches, loop.slots[1].merged) == (3, 1)
+    assert (loop.hosted[1].batches, loop.hosted[1].merged) == (3, 1)
     got = Loop([rt0, rt1]).run([("batch", prefill(s, [7], lap=10 + s, start=len(ps[s])), None)
                                 for s in range(3)])
     assert sorted(got) == [10, 11, 12]
@@ -367,7 +367,7 @@ def test_loop_decode_rides_with_anothers_prefill_chunk(windows) -> None:
     loop = Loop([rt0, rt1])
     got = loop.run(items)
     for k in (0, 1):
-        assert (loop.slots[k].batches, loop.slots[k].merged) == (4, 1)
+        assert (loop.hosted[k].batches, loop.hosted[k].merged) == (4, 1)
         windows_ = {lap: tuple(r.timing[k][2:4]) for lap, r in got.items()}
         assert windows_[4] == windows_[1] != windows_[2]  # decoded with the first chunk
     reset(rt0, rt1)
@@ -455,13 +455,13 @@ def test_loop_drops_pruned_rows_per_batch(windows) -> None:
     ps = prompts(3, rt0.n_vocab, seed=17)
     reset(rt0, rt1)
     loop = Loop([rt0, rt1])
-    for slot in loop.slots.values():  # as _on_prune does: lap 2's every node was rejected
-        slot.worker.prune(2, range(2000, 2000 + len(ps[1])), ())
+    for hosted in loop.hosted.values():  # as _on_prune does: lap 2's every node was rejected
+        hosted.worker.prune(2, range(2000, 2000 + len(ps[1])), ())
     got = loop.run([("batch", prefill(s + 1, p, lap=s + 1), None) for s, p in enumerate(ps)])
     assert got[2].targets.tolist() == [] and got[2].nodes.tolist() == []
     assert [len(got[lap].targets) for lap in (1, 3)] == [1, 1]
-    assert (loop.slots[0].batches, loop.slots[0].merged) == (3, 1)
-    assert (loop.slots[1].batches, loop.slots[1].merged) == (2, 1)  # lap 2 went no further
+    assert (loop.hosted[0].batches, loop.hosted[0].merged) == (3, 1)
+    assert (loop.hosted[1].batches, loop.hosted[1].merged) == (2, 1)  # lap 2 went no further
     # Seq 2 holds nothing (its rows never ran): its prompt starts again at position 0.
     again = Loop([rt0, rt1]).run([("batch", prefill(2, ps[1], lap=4), None)])
     assert len(again[4].targets) == 1

@@ -16,7 +16,7 @@ import pytest
 from scipy import stats
 
 from edgespec.api import Ring
-from edgespec.batch import Sampling
+from edgespec.params import GenerationParams
 
 pytestmark = pytest.mark.real_model
 
@@ -60,9 +60,8 @@ def first_tokens(ring):
         out = np.zeros(DRAWS, np.int64)
         for seed in range(DRAWS):
             # The engine itself: the API would hide an end-of-generation token.
-            run = ring.engine.run(prompt, max_tokens=1, mode=mode,
-                                  sampling=Sampling(temperature=TEMPERATURE, top_p=TOP_P,
-                                                    seed=seed))
+            run = ring.engine.run(prompt, GenerationParams(
+                max_tokens=1, temperature=TEMPERATURE, top_p=TOP_P, seed=seed), mode)
             out[seed] = next(run)[0]
             run.close()
         draws[mode] = out

@@ -170,3 +170,15 @@ def test_a_ring_that_cannot_be_rebuilt_says_so(monkeypatch):
     s = _scheduler(recover=refuses)
     with pytest.raises(RingError, match="cannot be re-formed: the survivors"):
         s.recover(s.slots[0], NodeLost("node A lost"))
+
+
+def test_a_stream_closed_before_it_starts_gives_its_place_back():
+    from edgespec.api import TextStream
+
+    s = _scheduler(max_queue=0)
+    ticket = s.admit()
+    with pytest.raises(RingBusy):
+        s.admit()
+    TextStream((p for p in ()), ticket).close()  # e.g. the server failed to start its thread
+    assert s.state()["queued"] == 0
+    s.admit().withdraw()

@@ -13,7 +13,7 @@ import pytest
 from stage_fixtures import tiny_dir, tiny_llama, tiny_qwen2  # noqa: F401 - fixtures
 from tinygguf import make_bare_gguf, make_tiny_gguf, min_vocab
 
-from edgespec.llm import llamacpp
+from edgespec.llm import cpu, llamacpp
 from edgespec.llm.architectures import UnsupportedArchitectureError
 from edgespec.llm.gguf_read import (
     CorruptShardError,
@@ -182,8 +182,8 @@ def test_tiny_models_tokenize_and_chat(tiny_qwen2: Path, tiny_llama: Path) -> No
 
 
 def test_llamacpp_helpers(tmp_path: Path) -> None:
-    assert llamacpp.default_threads(contexts_on_host=3) == 1
-    assert llamacpp.default_threads() == llamacpp.physical_cores() >= 1
+    assert cpu.default_threads(contexts_on_host=3) == 1
+    assert cpu.default_threads() == cpu.physical_cores() >= 1
     with pytest.raises(FileNotFoundError):
         llamacpp.load_model(tmp_path / "nope.gguf")
     (tmp_path / "bad.gguf").write_bytes(b"GGUF" + b"\0" * 60)

@@ -21,7 +21,9 @@ from ring_fixtures import assert_same_greedy, assert_same_sampled
 
 from edgespec.api import Ring
 from edgespec.errors import RingBusy
-from edgespec.head.slots import Demux, SlotChain, slot_width
+from edgespec.head.slots import Demux, SlotChain
+from edgespec.params import GenerationParams, Prepared
+from edgespec.seqs import slot_width
 from edgespec.tree.kvop import KvOp, KvOpCode
 
 pytestmark = pytest.mark.real_model
@@ -317,7 +319,6 @@ def test_next_turn_on_its_slot_computes_only_new_tokens(ring4, real_model_path):
 def test_a_failed_request_ends_alone(ring4, real_model_path):
     """A stage refuses one slot's batch (StageFailure, routed by lap): that request ends,
     the request in the other slot goes on untouched, and both slots serve on."""
-    from edgespec.batch import Sampling
     from edgespec.errors import StageFailure
 
     ring = ring4
@@ -336,10 +337,12 @@ def test_a_failed_request_ends_alone(ring4, real_model_path):
 
     def failing():
         first_piece.wait()
-        # Past the Ring's own checks, to the stages: a sampling value they refuse.
+        # Past every check of the head, to the stages: a sampling value they refuse (forged
+        # into a checked request, which no caller of the API could build).
+        params = GenerationParams(max_tokens=4, temperature=1.0)
+        object.__setattr__(params, "top_p", -1.0)
         with ring.scheduler.acquire(bad) as slot, pytest.raises(StageFailure, match="top_p"):
-            for _ in slot.session.tokens(bad, max_tokens=4, mode="none",
-                                         sampling=Sampling(temperature=1.0, top_p=-1.0)):
+            for _ in slot.session.tokens(Prepared(bad, params, "none")):
                 pass
         return None
 

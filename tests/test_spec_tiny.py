@@ -10,9 +10,9 @@ from stage_fixtures import tiny_dir  # noqa: F401  (fixture)
 from tinygguf import make_tiny_gguf
 
 from edgespec.api import Ring
-from edgespec.batch import Sampling
 from edgespec.drafters import DraftModelDrafter, HybridDrafter, RetrievalDrafter
 from edgespec.head.engine import EngineConfig
+from edgespec.params import GenerationParams
 
 
 @pytest.fixture(scope="module")
@@ -113,8 +113,8 @@ def test_sampled_first_token_follows_target_distribution(ring, tiny_target):
     counts = np.zeros(len(p))
     for seed in range(3000):
         # The engine itself: the API would hide an end-of-generation token, which counts here.
-        run = head.engine.run(prompt, max_tokens=1, sampling=Sampling(temperature=1.0, seed=seed),
-                              mode="flow")
+        run = head.engine.run(prompt, GenerationParams(max_tokens=1, temperature=1.0, seed=seed),
+                              "flow")
         counts[next(run)[0]] += 1
         run.close()
     keep = p * 3000 >= 5  # pool rare tokens so the test's assumptions hold

@@ -43,22 +43,10 @@ from edgespec.head.engine.registry import AUTO, MODES, SPEC_MODES
 from edgespec.head.output import OutputProcessor
 from edgespec.head.scheduler import Scheduler, Ticket
 from edgespec.head.session import Session
-from edgespec.head.slots import slot_width
-from edgespec.params import GenerationParams
+from edgespec.params import GenerationParams, Prepared
+from edgespec.seqs import slot_width
 
 log = logging.getLogger("edgespec")
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """A request ``Ring.prepare`` checked against the ring: its prompt ids, its settings with
-    ``max_tokens`` fitted to the context (``capped``: the fitted value, when it was cut), and
-    the speculative mode it runs in."""
-
-    prompt: list[int]
-    params: GenerationParams
-    mode: str
-    capped: int | None = None
 
 
 @dataclass
@@ -80,8 +68,9 @@ class TextStream:
     """Iterator over text pieces as they are accepted; ``.result`` holds the ``Generation``
     once the iterator is exhausted (or closed)."""
 
-    def __init__(self, pieces: Iterator[str]) -> None:
+    def __init__(self, pieces: Iterator[str], ticket: Ticket | None = None) -> None:
         self._pieces = pieces
+        self._ticket = ticket
         self.result: Generation | None = None
 
     def __iter__(self) -> Iterator[str]:
@@ -91,7 +80,13 @@ class TextStream:
         return next(self._pieces)
 
     def close(self) -> None:
-        self._pieces.close()  # type: ignore[attr-defined]
+        """End the generation (freeing its slot), or give up its place in the queue if it
+        never started."""
+        try:
+            self._pieces.close()  # type: ignore[attr-defined]
+        finally:
+            if self._ticket is not None:
+                self._ticket.withdraw()  # a no-op once it was served
 
 
 class Ring:
@@ -300,7 +295,7 @@ class Ring:
         stops it at the next step, or withdraws it while it waits for a slot
         (``finish_reason`` "cancelled"). ``ticket``: its place in the queue (``admit``);
         taken now when None."""
-        stream = TextStream(iter(()))
+        stream = TextStream(iter(()), ticket)
         this = weakref.ref(stream)  # no cycle: a stream dropped unfinished frees its slot now
 
         def pieces() -> Iterator[str]:
@@ -318,11 +313,7 @@ class Ring:
                 engine = slot.engine
                 slot.prompt_tokens = len(request.prompt)
                 slot.requests += 1
-                chunks = slot.session.tokens(request.prompt,
-                                             max_tokens=request.params.max_tokens,
-                                             sampling=request.params.sampling,
-                                             mode=request.mode, cancel=cancel,
-                                             t_start=t_start)
+                chunks = slot.session.tokens(request, cancel=cancel, t_start=t_start)
                 try:
                     for chunk in chunks:
                         piece = out.feed(chunk)

@@ -88,3 +88,15 @@ class GenerationParams:
         """What the last stage draws with."""
         return Sampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
                         seed=self.seed)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request ``Ring.prepare`` checked against the ring: its prompt ids, its settings with
+    ``max_tokens`` fitted to the context (``capped``: the fitted value, when it was cut), and
+    the speculative mode it runs in."""
+
+    prompt: list[int]
+    params: GenerationParams
+    mode: str
+    capped: int | None = None

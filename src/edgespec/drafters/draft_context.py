@@ -8,8 +8,8 @@ slot that is decoding at that moment in one call (flat combining: whoever finds 
 idle decodes everything queued, its own rows and the others'; nobody waits for company, so a
 request alone decodes exactly as before). ``bench/draft_batch_probe.py`` measures the saving.
 
-Seq ids are partitioned like the stages' (``edgespec.head.slots``): slot ``i`` owns
-``[i*W, (i+1)*W)``, ``W = 256 // S``, through its ``DraftSeqs`` view, which maps the drafter's
+Seq ids are partitioned as the stages' are (``edgespec.seqs``: slot ``i`` owns
+``[i*W, (i+1)*W)``, ``W = 256 // S``), through its ``DraftSeqs`` view, which maps the drafter's
 local ids (0: committed text, 1..W-1: tree sequences) onto them. A view never touches another
 slot's sequences: "keep only sequence 0" becomes a removal of the view's own tree sequences.
 Between requests a view parks its committed cells in host memory (``KvParking``), so an idle
@@ -29,11 +29,11 @@ from edgespec.llm import capi
 from edgespec.llm.kv_park import KvParking
 from edgespec.llm.llamacpp import Closing, new_context
 from edgespec.llm.shared_model import acquire_model, release_model
+from edgespec.seqs import N_SEQ, SeqRange, slot_width
 
 __all__ = ["DraftContext", "DraftSeqs"]
 
 #: llama.cpp's compile-time limit on sequence ids per context.
-LLAMA_MAX_SEQ = 256
 
 Row = tuple[int, int, int, bool]  # (token, pos, seq, wants logits)
 Copy = tuple[int, int, int, int]  # seq_cp(src, dst, p0, p1)
@@ -72,10 +72,8 @@ class DraftContext(Closing):
         self._cond = threading.Condition()
         self._busy = False  # a decode or a KV operation runs on the context
         self._parking = KvParking()
-        if not 1 <= parallel <= LLAMA_MAX_SEQ // 2:
-            raise ValueError(f"parallel must be in 1..{LLAMA_MAX_SEQ // 2}, got {parallel}")
         self.parallel = parallel
-        self.width = min(width or LLAMA_MAX_SEQ, LLAMA_MAX_SEQ // parallel)
+        self.width = min(width or N_SEQ, slot_width(parallel))
         if self.width < 2:
             raise ValueError("a draft view needs 2 sequences at least")
         self.n_ctx, self.n_batch = n_ctx, n_batch
@@ -259,8 +257,8 @@ class DraftSeqs:
     def __init__(self, ctx: DraftContext, index: int) -> None:
         self.ctx = ctx
         self.index = index
-        self.width = ctx.width
-        self.base = index * ctx.width
+        self.seqs = SeqRange(index, ctx.width)
+        self.width, self.base = ctx.width, self.seqs.base
         self.sole = ctx.parallel == 1  # the whole context is this view's
         self._open = True
 

@@ -40,10 +40,10 @@ from edgespec.drafters.tokenizer import (
     fingerprint_of,
 )
 from edgespec.llm.llamacpp import Closing
+from edgespec.seqs import N_SEQ
 
 __all__ = ["DraftModelDrafter"]
 
-_LLAMA_MAX_SEQ = 256  # llama.cpp's compile-time limit on sequence ids per context
 
 
 # -- the step's tree ------------------------------------------------------------------------
@@ -109,8 +109,8 @@ class DraftModelDrafter(Drafter, Closing):
         super().__init__()
         if top_k < 1 or width < 1 or n_threads < 1 or n_batch < 1:
             raise ValueError("top_k, width, n_threads and n_batch must all be >= 1")
-        if not 1 <= max_tree_seqs < _LLAMA_MAX_SEQ:
-            raise ValueError(f"max_tree_seqs must be in [1, {_LLAMA_MAX_SEQ - 1}], got {max_tree_seqs}")
+        if not 1 <= max_tree_seqs < N_SEQ:
+            raise ValueError(f"max_tree_seqs must be in [1, {N_SEQ - 1}], got {max_tree_seqs}")
         self.model_path = FsPath(model_path)
         self.top_k, self.width = top_k, width
         self._seqs: DraftSeqs | None = None

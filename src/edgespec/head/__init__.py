@@ -9,8 +9,13 @@ runs, apart from what runs on nodes.
 - ``view``: the one typed view of a ring (``ring status``, ``Ring.describe``, ``/v1/ring``)
 - ``addresses``: ``host:port`` lists and mDNS discovery
 - ``local``: node processes on this machine
-- ``build``: the ``Ring`` constructors (up, attach, local) and ``ring up``
-- ``session``: one head's generations and their retries, resync and replay
+- ``build``: the ``Ring`` constructors (up, attach, local) and ``ring up``; ``config``:
+  ``HeadConfig``, what they take
+- ``scheduler``: the one admission queue, slot choice, each step's sharers, the ring's rebuild
+- ``slots``: a slot's seq ids and its view of the shared chain (``SlotChain``, ``Demux``)
+- ``session``: one generation's replay across rebuilds and its resync after a stage failure
+- ``output``: tokens to text, and where an answer ends (``OutputProcessor``)
+- ``engine/``: the speculative engine, its modes and the policy that sizes trees
 
 Nothing is imported here, so importing a submodule loads only what it needs.
 """

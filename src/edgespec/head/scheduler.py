@@ -33,7 +33,8 @@ from typing import Any
 
 from edgespec.errors import NodeLost, RingBusy, RingError
 from edgespec.head.chain import Chain
-from edgespec.head.slots import Demux, Slot, SlotChain, slot_width
+from edgespec.head.slots import Demux, Slot, SlotChain
+from edgespec.seqs import slot_width
 
 log = logging.getLogger("edgespec.ring")
 

@@ -19,9 +19,9 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from edgespec.batch import Sampling
 from edgespec.errors import NodeLost, StageFailure
 from edgespec.head.chain import Chain
+from edgespec.params import Prepared
 
 if TYPE_CHECKING:
     from edgespec.head.engine.runner import SpecEngine
@@ -38,21 +38,24 @@ class Session:
         self.engine = engine
         self.recover = recover
 
-    def tokens(self, prompt_tokens: list[int], *, max_tokens: int, sampling: Sampling,
-               mode: str, cancel: threading.Event | None = None,
+    def tokens(self, request: Prepared, *, cancel: threading.Event | None = None,
                t_start: float | None = None) -> Iterator[list[int]]:
-        """The accepted tokens of one generation, chunk by chunk, across ring rebuilds.
+        """The accepted tokens of ``request``'s generation, chunk by chunk, across ring
+        rebuilds.
 
         Close the iterator when done with it (also when stopping early): the engine's
         statistics then cover every ring the generation ran on. ``t_start``: when the request
         began (``time.perf_counter``), for the time to first token."""
         tokens: list[int] = []
+        max_tokens = request.params.max_tokens
         previous = None
         try:
             while True:
-                run = self.engine.run(prompt_tokens + tokens, max_tokens=max_tokens - len(tokens),
-                                      sampling=sampling, mode=mode, cancel=cancel,
-                                      replay=len(tokens), t_start=t_start)
+                # After a rebuild: the prompt and the tokens so far, the rest of the budget.
+                left = (request.params.replace(max_tokens=max_tokens - len(tokens)) if tokens
+                        else request.params)
+                run = self.engine.run(request.prompt + tokens, left, request.mode,
+                                      cancel=cancel, replay=len(tokens), t_start=t_start)
                 try:
                     for chunk in run:
                         tokens.extend(chunk)

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 from edgespec.batch import Batch, Result
 from edgespec.errors import NodeLost
 from edgespec.head.chain import Chain
+from edgespec.seqs import SeqRange
 from edgespec.tree.kvop import KvOp, KvOpCode
 
 if TYPE_CHECKING:
@@ -47,18 +48,8 @@ from edgespec.wire.transport import TransportError
 
 log = logging.getLogger("edgespec.ring")
 
-#: llama.cpp sequences of every stage's context (edgespec.head.formation's n_seq_max).
-N_SEQ = 256
 #: Laps remembered per demux for routing (older ones are long answered).
 OWNED_LAPS = 8192
-
-
-def slot_width(parallel: int) -> int:
-    """Seq ids per slot (the committed one and its tree seqs)."""
-    if isinstance(parallel, bool) or not isinstance(parallel, int) \
-            or not 1 <= parallel <= N_SEQ // 2:
-        raise ValueError(f"parallel must be in 1..{N_SEQ // 2}, got {parallel}")
-    return N_SEQ // parallel
 
 
 class Demux:
@@ -110,9 +101,8 @@ class SlotChain:
 
     def __init__(self, demux: Demux, index: int, width: int) -> None:
         self.demux = demux
-        self.index = index
-        self.width = width
-        self.base = index * width
+        self.seqs = SeqRange(index, width)
+        self.index, self.width, self.base = index, width, self.seqs.base
         self.inbox: collections.deque[Result | Exception] = collections.deque()
         self._laps: set[int] = set()
         # Highest local seq that may hold KV: KEEP/clear remove only up to it. Unknown at
@@ -145,15 +135,12 @@ class SlotChain:
                     continue
                 raise ValueError(f"slot chain: {code.name} of every sequence is not "
                                  f"supported")
-            if seq >= self.width:
-                raise ValueError(f"slot {self.index}: seq {seq} outside its {self.width}")
+            self.seqs.check(seq)
             if code == KvOpCode.KEEP:
                 out += self._rm_all(seq)
                 self._top = seq
             elif code == KvOpCode.CP:
-                if not 0 <= op.arg < self.width:
-                    raise ValueError(f"slot {self.index}: seq {op.arg} outside its "
-                                     f"{self.width}")
+                self.seqs.check(op.arg)
                 self._top = max(self._top, op.arg)
                 out.append(KvOp(code, self.base + seq, op.p0, op.p1, self.base + op.arg))
             else:
@@ -191,9 +178,7 @@ class SlotChain:
 
     def submit(self, batch: Batch) -> None:
         sid = batch.seq_ids
-        top = sid.max_id()
-        if top >= self.width:
-            raise ValueError(f"slot {self.index}: seq {top} outside its {self.width}")
+        top = self.seqs.check(sid.max_id())
         self._top = max(self._top, top)
         moved = type(sid)._of(sid.ids + self.base, sid.counts) if self.base else sid
         out = Batch(batch.tokens, batch.pos, moved, batch.nodes, batch.want, batch.lap,

@@ -15,7 +15,7 @@ node, named by the ``head`` identity it sends ({"id", "pid", "host", "what", "si
 head is refused with ``busy`` naming the holder, unless it asks to ``take_over`` (then the old
 holder's connection is told and closed). The hold ends when the holder's connection closes.
 Data frames (TOKENS / HIDDEN, KV_OPS, PRUNE) are served by ``StageLoop``
-(``edgespec.node.slots``), which ``Node`` inherits.
+(``edgespec.node.datapath``), which ``Node`` inherits.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from typing import Any, ClassVar
 
 from edgespec import __version__
 from edgespec.holder import PARENT_ENV, describe_holder
+from edgespec.node.datapath import HostedStage, StageLoop
 from edgespec.node.info import release_free_heap, rss_bytes
-from edgespec.node.slots import StageLoop, StageSlot
 from edgespec.tree.kvop import KvOp
 from edgespec.wire import (
     PROTOCOL_VERSION,
@@ -62,7 +62,7 @@ class _Busy(Exception):
 
 class Node(StageLoop):
     """A ring member: a FrameServer plus the stages it hosts (their data path is
-    ``StageLoop``'s, ``edgespec.node.slots``)."""
+    ``StageLoop``'s, ``edgespec.node.datapath``)."""
 
     def __init__(self, key: bytes, *, name: str | None = None, host: str = "0.0.0.0",
                  port: int = 0, cache_dir: str | os.PathLike[str] | None = None,
@@ -77,7 +77,7 @@ class Node(StageLoop):
         self.name = name or socket.gethostname()
         self.n_gpu_layers = n_gpu_layers
         self.n_threads = n_threads
-        self.slots: dict[int, StageSlot] = {}
+        self.hosted: dict[int, HostedStage] = {}
         self._out_conns: dict[tuple[str, int], Connection] = {}
         self._lock = threading.RLock()
         self._stop = threading.Event()
@@ -137,9 +137,9 @@ class Node(StageLoop):
 
     def _on_disconnect(self, conn: Connection) -> None:
         with self._lock:
-            for slot in self.slots.values():
-                if slot.head_conn is conn:
-                    slot.head_conn = None
+            for hosted in self.hosted.values():
+                if hosted.head_conn is conn:
+                    hosted.head_conn = None
             if conn is self._holder_conn:
                 log.info("%s: released by %s", self.name,
                          describe_holder(self.holder.body() if self.holder else {}))
@@ -192,7 +192,7 @@ class Node(StageLoop):
         if isinstance(req, ctl.Connect):
             # The caller's mistake is told first, whoever holds the node.
             for stage in req.links:
-                self._slot(stage)
+                self._hosted(stage)
         if isinstance(req, ctl.HolderRequest):
             try:
                 self._check_holder(conn, req)
@@ -212,10 +212,10 @@ class Node(StageLoop):
         from edgespec.node.info import detect_backend, free_ram_bytes, free_vram_bytes
 
         with self._lock:
-            slots = list(self.slots.values())
+            held = list(self.hosted.values())
             holder = self.holder
         stages = {}
-        for s in slots:
+        for s in held:
             if s.is_last:
                 link = "head" if s.head_conn is not None and not s.head_conn.closed else "none"
             elif s.next_local is not None:
@@ -260,7 +260,7 @@ class Node(StageLoop):
         # Asked for a plan, whose load unloads the windows held now: what this process grew
         # by since it last held none is free for it (else a ring re-planned over its nodes
         # would find each short by its own window).
-        held = max(0, rss_bytes() - self._rss_bare) if self.slots else 0
+        held = max(0, rss_bytes() - self._rss_bare) if self.hosted else 0
         out = profile_layers(model, cache_dir=self.cache_dir / "shards", n_threads=self.n_threads,
                              n_gpu_layers=self.n_gpu_layers, batch_sizes=tuple(req.batch_sizes))
         out["free_ram"] += held
@@ -297,21 +297,21 @@ class Node(StageLoop):
                               n_threads=self.n_threads, n_gpu_layers=self.n_gpu_layers,
                               expect_fingerprint=fp or None)
             drop_file_cache(path)
-            slot = StageSlot(stage, (a, b), rt, is_last, encoding=req.encoding)
-            slot.thread = threading.Thread(target=self._run_slot, args=(slot,),
+            hosted = HostedStage(stage, (a, b), rt, is_last, encoding=req.encoding)
+            hosted.thread = threading.Thread(target=self._run_hosted, args=(hosted,),
                                            name=f"edgespec-stage-{stage}", daemon=True)
-            slot.thread.start()
+            hosted.thread.start()
             with self._lock:
-                self.slots[slot.stage] = slot
-            loaded.append(slot.stage)
+                self.hosted[hosted.stage] = hosted
+            loaded.append(hosted.stage)
         log.info("%s: loaded %s", self.name, ", ".join(
-            f"stage {s} (layers {self.slots[s].layer_range[0]}-{self.slots[s].layer_range[1] - 1})"
+            f"stage {s} (layers {self.hosted[s].layer_range[0]}-{self.hosted[s].layer_range[1] - 1})"
             for s in loaded) or "nothing")
         return ctl.LoadReply(stages=loaded)
 
     def _op_reset(self, conn: Connection, req: ctl.Reset, blob: Any) -> ctl.Done:
-        for slot in self.slots.values():
-            slot.post(("kv", KvOp.clear(), 0))
+        for hosted in self.hosted.values():
+            hosted.post(("kv", KvOp.clear(), 0))
         return ctl.Done()
 
     def _op_shard(self, conn: Connection, req: ctl.ShardStatus | ctl.ShardChunk | ctl.ShardFinish,
@@ -319,7 +319,7 @@ class Node(StageLoop):
         return ctl.REPLIES[req.op].model_validate(transfer.handle(self.shards, req, blob))
 
     def _op_unload(self, conn: Connection, req: ctl.Unload, blob: Any) -> ctl.UnloadReply:
-        had = sorted(self.slots)
+        had = sorted(self.hosted)
         self._unload()
         if had:
             log.info("%s: unloaded stage(s) %s", self.name, ", ".join(map(str, had)))
@@ -349,14 +349,14 @@ class Node(StageLoop):
 
     def _unload(self) -> None:
         with self._lock:
-            slots, self.slots = list(self.slots.values()), {}
-        for slot in slots:
-            slot.post(None)
-            if slot.thread is not None:
-                slot.thread.join(30)
+            held, self.hosted = list(self.hosted.values()), {}
+        for hosted in held:
+            hosted.post(None)
+            if hosted.thread is not None:
+                hosted.thread.join(30)
             with contextlib.suppress(Exception):
-                slot.runtime.close()
-        if slots:
+                hosted.runtime.close()
+        if held:
             release_free_heap()
 
 

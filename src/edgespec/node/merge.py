@@ -1,7 +1,7 @@
 """Merged decodes (docs/design.md 5.7): batches of several requests waiting at one stage
 run as ONE llama.cpp batch. Which queued batches may join (``MergeFence``, ``gather``) and how
 their rows are joined (``concat_batches``); ``StageWorker.run_many`` runs them and splits the
-outputs, ``edgespec.node.slots`` takes them off a stage's inbox and forwards each on.
+outputs, ``edgespec.node.datapath`` takes them off a stage's inbox and forwards each on.
 """
 
 from __future__ import annotations

@@ -184,7 +184,7 @@ class StageRuntime(llamacpp.Closing):
         n_batch: rows per llama_decode; longer inputs are processed in chunks of this size.
         n_ubatch: physical micro-batch (default ``n_batch``).
         n_seq_max: sequence ids (tree leaves + 1), 1..256.
-        n_threads: compute threads (default :func:`edgespec.llm.llamacpp.default_threads`).
+        n_threads: compute threads (default :func:`edgespec.llm.cpu.default_threads`).
         n_gpu_layers: layers of this window to offload to a GPU (-1 = all).
         expect_fingerprint: refuse a shard of another model.
         verify_sha256: check the file against the ``manifest.json`` next to it (None = when one

@@ -1,6 +1,6 @@
 """Node-side stage execution: a ``StageWorker`` runs batches through the windows one process
 hosts, in ring order, dropping rows of pruned tree nodes; the last stage picks the target
-tokens (``pick_targets``). Used by a node's stage slots (``edgespec.node.slots``) and by the
+tokens (``pick_targets``). Used by a node's hosted stages (``edgespec.node.datapath``) and by the
 head's in-process ``edgespec.head.chain.LocalChain``. The ``Chain`` contract these serve is
 described in ``edgespec.head.chain``.
 """

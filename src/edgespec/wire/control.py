@@ -242,7 +242,7 @@ class Done(Reply):
 class StageHealth(_Model):
     range: tuple[StrictInt, StrictInt]
     batches: StrictInt
-    merged: StrictInt = 0  # decodes that carried more than one batch (node/slots.py)
+    merged: StrictInt = 0  # decodes that carried more than one batch (node/datapath.py)
     busy_s: StrictFloat
     queued: StrictInt
     next: StrictStr  # "head", "local:<stage>", "<host>:<port>" or "none"

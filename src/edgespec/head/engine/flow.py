@@ -161,11 +161,10 @@ class FlowMode(Mode):
 
     def draft_ahead(self, rnd: TreeInFlight, sampling: Sampling, seg: int) -> bool:
         """Draft up to ``seg`` more nodes below the step's accepted frontier and send them as
-        one segment, unless the policy wants no lookahead now (a trial), enough unverified
-        rows are in flight already, or the caller wants no more tokens than those could
-        give. False when nothing was sent."""
+        one segment, unless enough unverified rows are in flight already or the caller wants
+        no more tokens than those could give. False when nothing was sent."""
         ctx = self.ctx
-        if ctx.drafter is None or not ctx.policy.lookahead():
+        if ctx.drafter is None:
             return False
         n = rnd.tree.n_rows
         alive = rnd.tree.alive()[:n].astype(bool)

@@ -121,11 +121,6 @@ class GainMeter:
         self.begin()
 
     @property
-    def trialling(self) -> bool:
-        """A trial (a generation's first, or a probe) is under way."""
-        return self._trial_left > 0
-
-    @property
     def plain_ms(self) -> float | None:
         """The running mean wall time of a plain lap on this ring."""
         return self.rates.plain_ms

@@ -62,8 +62,6 @@ class TreePolicy:
             return self.fixed_budget
         if not self.gain.want_tree(sharers):
             return 0
-        if self.gain.trialling:  # a trial is cheap to lose: the smallest tree
-            return min(self.cost.budgets)
         # Trees pay as measured; the cost model sizes them (its smallest tree when it would
         # predict none: the measurement outranks the prediction).
         return self.cost.choose(sharers) or min(self.cost.budgets)
@@ -75,13 +73,6 @@ class TreePolicy:
             n = self.fixed_segments or max(1, n_stages)
             return max(1, math.ceil(self.fixed_budget / n))
         return self.FLOW_SEGMENT if self.gain.want_tree(sharers) else 0
-
-    def lookahead(self) -> bool:
-        """Whether flow may draft ahead of its verified rows this step. Not in a trial: a
-        trial step is then one segment, about a plain lap's cost, so a drafter that does not
-        help loses little by being tried (rows drafted ahead of a wrong guess are computed,
-        then dropped: with them a lost trial cost about two plain laps)."""
-        return bool(self.fixed_budget) or not self.gain.trialling
 
     # ---------------------------------------------------------------- measurements
 

@@ -20,6 +20,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -35,6 +36,9 @@ from edgespec.head.engine.registry import MODES, resolve
 from edgespec.head.engine.stats import GenerationStats
 from edgespec.tree import core
 from edgespec.tree.kvop import KvOp, KvOpCode
+
+if TYPE_CHECKING:
+    from edgespec.params import GenerationParams
 
 log = logging.getLogger("edgespec.head.engine")
 
@@ -106,12 +110,13 @@ class SpecEngine:
         self.stale.clear()
         self.pending_ops = KvOp.clear()
 
-    def run(self, prompt: Sequence[int], *, max_tokens: int, sampling: Sampling,
-            mode: str = "auto", cancel: threading.Event | None = None,
-            replay: int = 0, t_start: float | None = None) -> Iterator[list[int]]:
-        """Generate after ``prompt``; yields the tokens gained by each step, in order.
+    def run(self, prompt: Sequence[int], params: GenerationParams, mode: str = "auto", *,
+            cancel: threading.Event | None = None, replay: int = 0,
+            t_start: float | None = None) -> Iterator[list[int]]:
+        """Generate after ``prompt`` as ``params`` say (the request's own object, carried
+        unchanged from where it was checked); yields the tokens gained by each step, in order.
 
-        Stops after ``max_tokens`` tokens, or at the next step once ``cancel`` is set; where
+        Stops after ``params.max_tokens`` tokens, or at the next step once ``cancel`` is set; where
         the answer ends before that (an end-of-generation token, a stop string) is the
         caller's to decide (``edgespec.head.output``): it closes the iterator.
         ``replay``: the last ``replay`` tokens before the prompt's last one are recomputed one
@@ -126,6 +131,7 @@ class SpecEngine:
         reads the prompt while the prefill is in flight.
         """
         prompt = [int(t) for t in prompt]
+        max_tokens, sampling = params.max_tokens, params.sampling
         if not prompt:
             raise ValueError("empty prompt: give at least one token")
         if len(prompt) + max_tokens > self.n_ctx:

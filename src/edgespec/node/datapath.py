@@ -1,4 +1,4 @@
-"""A node's data path (docs/design.md 5.1, 5.2): one ``StageSlot`` per hosted window, its
+"""A node's data path (docs/design.md 5.1, 5.2): one ``HostedStage`` per hosted window, its
 inbox and worker thread, and ``StageLoop``, the part of ``edgespec.node.daemon.Node`` that
 takes batches, KV operations and prunes off the wire, runs them in ring order, and forwards
 the result to the next link (in-process, or over TCP to the next node) or to the head.
@@ -20,8 +20,8 @@ A link to the next node that breaks is dropped (reported to the head as ``next_l
 treats as a lost node) and dialled afresh whenever the ring is linked again.
 
 Apart from the control plane in ``daemon.py`` so each stays readable; ``Node`` inherits
-``StageLoop`` and supplies the state it reads (``slots``, ``server``, ``name``, ``_lock``,
-``_out_conns``, ``_stop``, ``key``, ``node_id``). Linking the slots to their successors (the
+``StageLoop`` and supplies the state it reads (``hosted``, ``server``, ``name``, ``_lock``,
+``_out_conns``, ``_stop``, ``key``, ``node_id``). Linking the hosted stages to their successors (the
 ``connect`` op, ``_op_connect``) is here too, beside the links it makes. Log lines keep the node's logger, ``edgespec.node``.
 """
 
@@ -59,7 +59,7 @@ INLINE_MAX_ROWS = 16
 
 
 @dataclass
-class StageSlot:
+class HostedStage:
     """One hosted window: its runtime, its place in the ring, and its worker thread."""
 
     stage: int
@@ -68,7 +68,7 @@ class StageSlot:
     is_last: bool
     worker: StageWorker = field(init=False)
     inbox: queue.Queue = field(default_factory=queue.Queue)
-    next_local: StageSlot | None = None
+    next_local: HostedStage | None = None
     next_conn: Connection | None = None
     next_stage: int = -1
     head_conn: Connection | None = None
@@ -113,9 +113,9 @@ class _LinkLost(Exception):
 
 class StageLoop:
     """The data path of a ``Node``: frame handlers for TOKENS / HIDDEN, KV_OPS and PRUNE, one
-    loop per stage slot, and the links to the next node."""
+    loop per hosted stage, and the links to the next node."""
 
-    slots: dict[int, StageSlot]
+    hosted: dict[int, HostedStage]
     server: FrameServer
     name: str
     _lock: threading.RLock
@@ -126,11 +126,11 @@ class StageLoop:
 
     # ------------------------------------------------------------------ data path
 
-    def _slot(self, msg_stage: int) -> StageSlot:
-        slot = self.slots.get(msg_stage)
-        if slot is None:
+    def _hosted(self, msg_stage: int) -> HostedStage:
+        hosted = self.hosted.get(msg_stage)
+        if hosted is None:
             raise WireError(f"stage {msg_stage} is not hosted by node {self.name}")
-        return slot
+        return hosted
 
     def _on_batch(self, conn: Connection, frame: Frame) -> Message | None:
         try:
@@ -141,18 +141,18 @@ class StageLoop:
             # Lap timing (docs/design.md 8.1): earlier stages' stamps, then this stage's arrival.
             batch.timing = stamps_from_meta(meta.get("timing"))
             batch.timing.append([stage, now(), 0, 0, 0])
-            slot = self._slot(stage)
-            if hidden is None and slot.stage != 0:
+            hosted = self._hosted(stage)
+            if hidden is None and hosted.stage != 0:
                 raise WireError(f"stage {stage} takes hidden states, not token ids")
-            if hidden is not None and slot.stage == 0:
+            if hidden is not None and hosted.stage == 0:
                 raise WireError("stage 0 takes token ids, not hidden states")
-            self._check_batch(slot, batch, hidden)
+            self._check_batch(hosted, batch, hidden)
             # A batch for an idle stage runs here, on the thread that read it: handing it to
             # the stage's thread costs a thread wake-up per hop (docs/design.md 8.3). Only when
             # nothing else waits on this connection, so a PRUNE or control frame behind it is
             # not held up by its compute.
             inline = (len(batch) <= INLINE_MAX_ROWS and not conn.has_unread()
-                      and slot.claim_idle())
+                      and hosted.claim_idle())
         except WireError as e:
             # Answered here rather than by the server's generic reply, so that the ERROR
             # carries the batch's lap id: the head (directly, or through the previous node's
@@ -166,26 +166,26 @@ class StageLoop:
             return err
         if inline:
             try:
-                with slot.run_lock:
-                    self._process(slot, ("batch", batch, hidden))
+                with hosted.run_lock:
+                    self._process(hosted, ("batch", batch, hidden))
             finally:
-                slot.finished()
+                hosted.finished()
         else:
-            slot.post(("batch", batch, hidden))
+            hosted.post(("batch", batch, hidden))
         return None
 
-    def _check_batch(self, slot: StageSlot, batch: Any, hidden: np.ndarray | None) -> None:
+    def _check_batch(self, hosted: HostedStage, batch: Any, hidden: np.ndarray | None) -> None:
         """Refuse, before it is queued, a batch this stage could never run: the sender gets
         an ERROR reply at once, and a bad frame never reaches llama.cpp. Only checks that do
         not depend on the KV cache belong here; position continuity is the runtime's (it is
         known only when the batch's turn comes)."""
-        rt = slot.runtime
+        rt = hosted.runtime
         n = len(batch)
         n_seq_max = int(getattr(rt, "n_seq_max", 0) or 0)
         if n_seq_max:
             top = batch.seq_ids.max_id()
             if top >= n_seq_max:
-                raise WireError(f"seq id {top} outside 0..{n_seq_max - 1} of stage {slot.stage}")
+                raise WireError(f"seq id {top} outside 0..{n_seq_max - 1} of stage {hosted.stage}")
         if hidden is None:
             n_vocab = int(getattr(rt, "n_vocab", 0) or 0)
             if n_vocab and n and int(batch.tokens.max()) >= n_vocab:
@@ -194,114 +194,114 @@ class StageLoop:
         else:
             n_embd = int(getattr(rt, "n_embd", 0) or 0)
             if hidden.ndim != 2 or hidden.shape[0] != n or (n_embd and hidden.shape[1] != n_embd):
-                raise WireError(f"stage {slot.stage} takes hidden states [{n}, {n_embd}], got "
+                raise WireError(f"stage {hosted.stage} takes hidden states [{n}, {n_embd}], got "
                                 f"{list(hidden.shape)}")
 
     def _on_kv(self, conn: Connection, frame: Frame) -> None:
         msg = frame.decode()
         ops = kv_ops_list(msg[FieldTag.KV_OPS])
-        slot = self._slot(int(msg.meta.get("stage", 0)))
-        slot.post(("kv", ops, msg.lap_id))
+        hosted = self._hosted(int(msg.meta.get("stage", 0)))
+        hosted.post(("kv", ops, msg.lap_id))
         return None
 
     def _on_prune(self, conn: Connection, frame: Frame) -> None:
         msg = frame.decode()
         nodes = np.asarray(msg[FieldTag.NODES]).tolist()
-        for slot in list(self.slots.values()):
-            slot.worker.prune(msg.lap_id, nodes, ())
+        for hosted in list(self.hosted.values()):
+            hosted.worker.prune(msg.lap_id, nodes, ())
         return None
 
-    def _run_slot(self, slot: StageSlot) -> None:
+    def _run_hosted(self, hosted: HostedStage) -> None:
         behind: collections.deque = collections.deque()  # taken off the inbox, not run yet
-        cap = int(getattr(slot.runtime, "n_batch", 0) or MERGE_MAX_ROWS)
+        cap = int(getattr(hosted.runtime, "n_batch", 0) or MERGE_MAX_ROWS)
         yielded: tuple | None = None  # a big batch that let small ones go first, once
         while True:
-            item = behind.popleft() if behind else slot.inbox.get()
+            item = behind.popleft() if behind else hosted.inbox.get()
             if item is None:
                 return
             items = [item]
-            if item[0] == "batch" and (behind or not slot.inbox.empty()):
+            if item[0] == "batch" and (behind or not hosted.inbox.empty()):
                 # merged decodes, small batches first: design.md 5.7
-                items = gather(slot.inbox, item, cap, behind, small_first=item is not yielded)
+                items = gather(hosted.inbox, item, cap, behind, small_first=item is not yielded)
                 yielded = item if items[0] is not item else None
             try:
-                with slot.run_lock:
+                with hosted.run_lock:
                     if len(items) == 1:
-                        self._process(slot, items[0])
+                        self._process(hosted, items[0])
                     else:
-                        self._process_merged(slot, items)
+                        self._process_merged(hosted, items)
             finally:
                 for _ in items:
-                    slot.finished()
+                    hosted.finished()
 
-    def _process(self, slot: StageSlot, item: tuple) -> None:
+    def _process(self, hosted: HostedStage, item: tuple) -> None:
         """Run one item of a stage (a batch or KV operations) and pass the result on."""
         kind, a, b = item
         try:
             if kind == "kv":
-                slot.worker.apply_ops(a)
-                self._send_on(slot, "kv", (a, b))
+                hosted.worker.apply_ops(a)
+                self._send_on(hosted, "kv", (a, b))
                 return
-            stamp = a.timing[-1] if a.timing else [slot.stage, 0, 0, 0, 0]
+            stamp = a.timing[-1] if a.timing else [hosted.stage, 0, 0, 0, 0]
             stamp[2], cpu = now(), cpu_now()
             t = time.perf_counter()
-            batch, out = slot.worker.run(a, b)
-            slot.busy_s += time.perf_counter() - t
+            batch, out = hosted.worker.run(a, b)
+            hosted.busy_s += time.perf_counter() - t
             stamp[3], stamp[4] = now(), cpu_now() - cpu
-            slot.batches += 1
-            self._pass_on(slot, batch, out)
+            hosted.batches += 1
+            self._pass_on(hosted, batch, out)
         except Exception as e:
-            self._report(slot, e, a.lap if kind == "batch" else int(b or 0))
+            self._report(hosted, e, a.lap if kind == "batch" else int(b or 0))
 
-    def _process_merged(self, slot: StageSlot, items: list[tuple]) -> None:
+    def _process_merged(self, hosted: HostedStage, items: list[tuple]) -> None:
         """Run several batches (``gather``) as one decode, then pass each on by itself with
         its own lap id, META and timing stamp; every stamp carries the shared compute window
         (arrival stays each batch's own)."""
-        stamps = [a.timing[-1] if a.timing else [slot.stage, 0, 0, 0, 0]
+        stamps = [a.timing[-1] if a.timing else [hosted.stage, 0, 0, 0, 0]
                   for _, a, _ in items]
         t0, cpu = now(), cpu_now()
         t = time.perf_counter()
         try:
-            outs = slot.worker.run_many([(a, b) for _, a, b in items])
+            outs = hosted.worker.run_many([(a, b) for _, a, b in items])
         except Exception as e:  # a pending prune op failed: every batch fails, as in run()
             outs = [e] * len(items)
-        slot.busy_s += time.perf_counter() - t
+        hosted.busy_s += time.perf_counter() - t
         t1, cpu = now(), cpu_now() - cpu
-        slot.batches += len(items)
-        slot.merged += 1
+        hosted.batches += len(items)
+        hosted.merged += 1
         for (_, a, _), stamp, res in zip(items, stamps, outs, strict=True):
             stamp[2], stamp[3], stamp[4] = t0, t1, cpu
             try:
                 if isinstance(res, BaseException):
                     raise res
-                self._pass_on(slot, *res)
+                self._pass_on(hosted, *res)
             except Exception as e:
-                self._report(slot, e, a.lap)
+                self._report(hosted, e, a.lap)
 
-    def _pass_on(self, slot: StageSlot, batch: Any, out: np.ndarray | None) -> None:
+    def _pass_on(self, hosted: HostedStage, batch: Any, out: np.ndarray | None) -> None:
         """Forward a run batch: targets to the head (last stage), else hidden states on."""
-        if slot.is_last:
+        if hosted.is_last:
             targets = out if out is not None else np.zeros(0, np.int32)
             msg = result_message(batch, targets)
             msg.fields[FieldTag.META] = {"timing": batch.timing}
-            self._to_head(slot, msg)
+            self._to_head(hosted, msg)
         elif out is None:
             # Every row was pruned on the way: the head still expects an answer.
-            self._send_on(slot, "empty", batch)
+            self._send_on(hosted, "empty", batch)
         else:
-            self._send_on(slot, "batch", (batch, out))
+            self._send_on(hosted, "batch", (batch, out))
 
-    def _report(self, slot: StageSlot, e: Exception, lap: int) -> None:
+    def _report(self, hosted: HostedStage, e: Exception, lap: int) -> None:
         """Tell the head that an item of ``lap`` failed here; the stage keeps serving."""
         if isinstance(e, _LinkLost):  # the head treats it as a lost node (re-plans)
             log.warning("%s", e)
             msg = error_message("next_lost", str(e))
         else:
-            log.error("stage %d failed", slot.stage, exc_info=e)
-            msg = error_message("stage_failed", f"stage {slot.stage} on {self.name}: "
+            log.error("stage %d failed", hosted.stage, exc_info=e)
+            msg = error_message("stage_failed", f"stage {hosted.stage} on {self.name}: "
                                 f"{type(e).__name__}: {e}")
         msg.lap_id = lap
-        self._to_head(slot, msg)
+        self._to_head(hosted, msg)
 
     def _read_next(self, out: Connection) -> None:
         """Read what the next node sends back on our link to it. Nothing is expected but an
@@ -321,26 +321,26 @@ class StageLoop:
             text = f"next node {out.peer_node}: {msg.meta.get('code')}: {msg.meta.get('message')}"
             log.warning("%s", text)
             with self._lock:
-                heads = {id(s.head_conn): s for s in self.slots.values()
+                heads = {id(s.head_conn): s for s in self.hosted.values()
                          if s.next_conn is out and s.head_conn is not None}
-            for slot in heads.values():
-                err = error_message("next_refused", f"stage {slot.stage} on {self.name}: {text}")
+            for hosted in heads.values():
+                err = error_message("next_refused", f"stage {hosted.stage} on {self.name}: {text}")
                 err.lap_id = msg.lap_id
-                self._to_head(slot, err)
+                self._to_head(hosted, err)
 
-    def _to_head(self, slot: StageSlot, msg: Message) -> None:
-        conn = slot.head_conn
+    def _to_head(self, hosted: HostedStage, msg: Message) -> None:
+        conn = hosted.head_conn
         if conn is None:
-            log.warning("stage %d: no head connected; dropping %s", slot.stage, msg.kind.name)
+            log.warning("stage %d: no head connected; dropping %s", hosted.stage, msg.kind.name)
             return
         try:
             conn.send(msg)
         except TransportError as e:
-            log.warning("stage %d: head unreachable: %s", slot.stage, e)
+            log.warning("stage %d: head unreachable: %s", hosted.stage, e)
 
-    def _send_on(self, slot: StageSlot, kind: str, payload: Any) -> None:
+    def _send_on(self, hosted: HostedStage, kind: str, payload: Any) -> None:
         """Pass work to the next stage: in-process when this node hosts it, else over TCP."""
-        if slot.is_last:
+        if hosted.is_last:
             return
         if kind == "empty":
             batch = payload
@@ -349,36 +349,36 @@ class StageLoop:
             # batch's KV operations (a new leaf's prefix copy, a decided round's commit) still
             # go on, in ring order: the later stages must apply them exactly as this one did.
             if batch.pre_ops:
-                self._send_on(slot, "kv", (list(batch.pre_ops), batch.lap))
-            self._to_head(slot, result_message(batch.select(np.zeros(len(batch), bool)),
+                self._send_on(hosted, "kv", (list(batch.pre_ops), batch.lap))
+            self._to_head(hosted, result_message(batch.select(np.zeros(len(batch), bool)),
                                                np.zeros(0, np.int32)))
             return
-        if slot.next_local is not None:
+        if hosted.next_local is not None:
             if kind == "kv":
-                slot.next_local.post(("kv", *payload))
+                hosted.next_local.post(("kv", *payload))
             else:
                 batch, hidden = payload
                 # A copy, not a view: the hidden states live in this window's capture buffer,
                 # which its next decode overwrites while the next window may still be queued.
-                batch.timing.append([slot.next_local.stage, now(), 0, 0, 0])
-                slot.next_local.post(("batch", batch, np.array(hidden, copy=True)))
+                batch.timing.append([hosted.next_local.stage, now(), 0, 0, 0])
+                hosted.next_local.post(("batch", batch, np.array(hidden, copy=True)))
             return
-        conn = slot.next_conn
+        conn = hosted.next_conn
         if conn is None or conn.closed:
-            raise _LinkLost(f"stage {slot.stage} on {self.name} has no live link to the next "
-                            f"stage ({slot.next_stage}); the ring must be linked again")
+            raise _LinkLost(f"stage {hosted.stage} on {self.name} has no live link to the next "
+                            f"stage ({hosted.next_stage}); the ring must be linked again")
         try:
             if kind == "kv":
                 ops, lap = payload
                 conn.send(Message(Kind.KV_OPS, {FieldTag.KV_OPS: list(ops),
-                                                 FieldTag.META: {"stage": slot.next_stage}},
+                                                 FieldTag.META: {"stage": hosted.next_stage}},
                                   lap_id=int(lap or 0)))
             else:
                 batch, hidden = payload
-                send_batch(conn, batch, hidden, slot.encoding, slot.next_stage, batch.timing)
+                send_batch(conn, batch, hidden, hosted.encoding, hosted.next_stage, batch.timing)
         except TransportError as e:
             self._drop_link(conn)
-            raise _LinkLost(f"stage {slot.stage} on {self.name}: link to the next node "
+            raise _LinkLost(f"stage {hosted.stage} on {self.name}: link to the next node "
                             f"{conn.peer_node} broke: {e}") from e
 
     def _drop_link(self, conn: Connection) -> None:
@@ -387,9 +387,9 @@ class StageLoop:
             for addr, c in list(self._out_conns.items()):
                 if c is conn:
                     del self._out_conns[addr]
-            for slot in self.slots.values():
-                if slot.next_conn is conn:
-                    slot.next_conn = None
+            for hosted in self.hosted.values():
+                if hosted.next_conn is conn:
+                    hosted.next_conn = None
         with contextlib.suppress(Exception):
             conn.close()
 
@@ -400,14 +400,14 @@ class StageLoop:
         Results and errors go to this connection."""
         fresh: dict[tuple[str, int], Connection] = {}
         for stage, link in req.links.items():
-            slot = self._slot(stage)
-            slot.head_conn = conn
-            slot.next_local, slot.next_conn = None, None
+            hosted = self._hosted(stage)
+            hosted.head_conn = conn
+            hosted.next_local, hosted.next_conn = None, None
             if link == "head":
                 continue
-            slot.next_stage = link.stage
+            hosted.next_stage = link.stage
             if isinstance(link, ctl.NextLocal):
-                slot.next_local = self._slot(link.local)
+                hosted.next_local = self._hosted(link.local)
                 continue
             addr = (link.host, link.port)
             out = fresh.get(addr)
@@ -429,9 +429,9 @@ class StageLoop:
                     self._out_conns[addr] = out
                 threading.Thread(target=self._read_next, args=(out,), daemon=True,
                                  name=f"edgespec-next-{addr[0]}:{addr[1]}").start()
-                log.info("%s: linked stage %d to %s at %s:%d", self.name, slot.stage,
+                log.info("%s: linked stage %d to %s at %s:%d", self.name, hosted.stage,
                          out.peer_node, *addr)
-            slot.next_conn = out
-        for slot in self.slots.values():
-            slot.head_conn = conn
-        return ctl.ConnectReply(connected=sorted(self.slots))
+            hosted.next_conn = out
+        for hosted in self.hosted.values():
+            hosted.head_conn = conn
+        return ctl.ConnectReply(connected=sorted(self.hosted))
