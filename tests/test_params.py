@@ -43,6 +43,10 @@ def test_the_ring_fits_max_tokens_and_refuses_what_it_cannot_run(tmp_path):
         req = ring.prepare([1, 2, 3], GenerationParams(max_tokens=1000))
         assert req.params.max_tokens == 253 and req.capped == 253
         assert ring.prepare([1, 2, 3], GenerationParams(max_tokens=8)).capped is None
+        # The mode is resolved once, here: one stage and a (retrieval) drafter, so auto runs
+        # as sync; a mode asked for runs as asked.
+        assert ring.prepare([1, 2, 3], GenerationParams()).mode == "sync"
+        assert ring.prepare([1, 2, 3], GenerationParams(spec="flow")).mode == "flow"
         with pytest.raises(RequestError) as err:
             ring.prepare(list(range(1, 260)), GenerationParams())
         assert err.value.param == "prompt" and err.value.code == "context_length_exceeded"

@@ -69,6 +69,11 @@ def test_a_mode_the_ring_cannot_run_is_the_callers_400(base):
     assert r.json()["error"]["param"] == "spec" and "drafter" in r.json()["error"]["message"]
     assert client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3,
                                                 "spec": "none"}).status_code == 200
+    # The page's menu offers what this ring runs (the one registry, less the tree modes
+    # without a drafter); the ring with a drafter offers every mode.
+    assert client.get("/v1/ring").json()["modes"] == ["auto", "none"]
+    assert TestClient(create_app(base, "tiny")).get("/v1/ring").json()["modes"] == [
+        "auto", "none", "sync", "flow"]
 
 
 def test_api_key_on_every_endpoint(base):

@@ -269,9 +269,8 @@ class Ring:
         if bad:
             raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary "
                                f"0..{n_vocab - 1}", "prompt")
-        mode = params.spec or self.default_spec
-        try:
-            self.engine.resolve_mode(mode)
+        try:  # resolved once, here: the mode the request runs as on this ring
+            mode = self.engine.resolve_mode(params.spec or self.default_spec)
         except ValueError as e:
             raise RequestError(str(e), "spec") from None
         room = self.slot_ctx - len(prompt)

@@ -94,7 +94,7 @@ class GenerationParams:
 class Prepared:
     """A request ``Ring.prepare`` checked against the ring: its prompt ids, its settings with
     ``max_tokens`` fitted to the context (``capped``: the fitted value, when it was cut), and
-    the speculative mode it runs in."""
+    the speculative mode it runs in (resolved: never "auto")."""
 
     prompt: list[int]
     params: GenerationParams

@@ -65,9 +65,9 @@ whole one), so the server exits promptly even mid-answer and the caller closes t
 FastAPI/uvicorn are used because they are the standard ASGI stack for this kind of API.
 
 This module builds the app (routes) and runs it; the parts live beside it: ``requests``
-(request models), ``replies`` (errors and their statuses), ``inflight`` (cancel events for a shutdown), ``streaming``
-(the completion endpoints' generations), ``live`` (the page's live view), ``access`` (the API
-key).
+(request models), ``replies`` (errors and their statuses), ``inflight`` (cancel events for a
+shutdown), ``streaming`` (the completion endpoints' generations), ``live`` (the page's live
+view), ``access`` (the API key), ``health`` and ``listener``.
 """
 
 from __future__ import annotations
