@@ -9,22 +9,30 @@ from pathlib import Path
 import numpy as np
 
 
-def unsplit_greedy(model_path: Path, prompt: Sequence[int], n_tokens: int) -> list[int]:
+def unsplit_greedy(model_path: Path, prompt: Sequence[int], n_tokens: int,
+                   prefill_chunk: int = 256) -> list[int]:
     """Greedy continuation by the whole model in one llama.cpp context (no split, no spec).
 
-    Batch shapes follow the ring's (prompt minus its last token in one batch, then one token
-    per call): llama.cpp's results depend slightly on batch shape, and "identical" is only
-    promised for identical shapes.
+    Batch shapes follow the ring's (``SpecEngine._prefill``: the prompt but its last token in
+    chunks of ``prefill_chunk``, the last token riding in the last chunk when it fits, its row
+    wanted; then one token per call): llama.cpp's results depend slightly on batch shape, and
+    "identical" is only promised for identical shapes.
     """
     from edgespec.node.runtime import StageRuntime
 
+    todo = [int(t) for t in prompt[:-1]]
+    chunks = [todo[i:i + prefill_chunk] for i in range(0, len(todo), prefill_chunk)]
+    if chunks and len(chunks[-1]) < prefill_chunk:
+        chunks[-1].append(int(prompt[-1]))
+    else:
+        chunks.append([int(prompt[-1])])
     out: list[int] = []
     with StageRuntime(model_path, n_ctx=1024, n_seq_max=1, n_threads=1) as rt:
-        if len(prompt) > 1:
-            rt.forward(np.asarray(prompt[:-1], np.int32), 0)
-        logits = rt.forward(np.asarray(prompt[-1:], np.int32), len(prompt) - 1)
+        pos = 0
+        for part in chunks:
+            logits = rt.forward(np.asarray(part, np.int32), pos)
+            pos += len(part)
         tok = int(np.argmax(logits[-1]))
-        pos = len(prompt)
         for _ in range(n_tokens):
             out.append(tok)
             logits = rt.forward(np.array([tok], np.int32), pos)

@@ -105,3 +105,25 @@ def test_plan_fits_moe_windows_into_free_memory(models) -> None:
                    if w.node == i)
         assert need <= node.free_mem * 0.8
     assert plan.ranges == [(0, 4), (4, 5)]
+
+
+def test_the_first_window_counts_what_its_vocabulary_costs(models) -> None:
+    """A first window (not the last) holds the embeddings, a logits buffer for every sequence
+    (llama.cpp reserves it for any context with the real vocabulary) and, in a file without a
+    head, the head llama.cpp makes from the embeddings; a middle window holds none of them;
+    gpt-oss keeps its real head in the first window instead of the copy."""
+    from edgespec.head.planner import logits_bytes, window_need
+
+    mem = model_memory(models["qwen3"])
+    layers = sum(mem.layer_bytes(i, N_CTX) for i in range(2))
+    first = window_need(mem, 0, 2, N_CTX, 256)
+    assert first == (layers + WINDOW_OVERHEAD + ENDS_OVERHEAD + 2 * mem.embd_bytes
+                     + logits_bytes(mem, 256))
+    assert window_need(mem, 1, 3, N_CTX, 256) == (
+        sum(mem.layer_bytes(i, N_CTX) for i in range(1, 3)) + WINDOW_OVERHEAD)
+    assert logits_bytes(mem, 256) == 256 * logits_bytes(mem, 1) > 0
+    oss = model_memory(models["gpt-oss"])
+    assert oss.head_on_first
+    assert window_need(oss, 0, 2, N_CTX, 1) == (
+        sum(oss.layer_bytes(i, N_CTX) for i in range(2)) + WINDOW_OVERHEAD + ENDS_OVERHEAD
+        + oss.embd_bytes + oss.head_bytes + logits_bytes(oss, 1))

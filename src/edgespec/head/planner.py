@@ -92,27 +92,43 @@ _KV_BYTES = 2  # f16 cache cells, llama.cpp's default type_k / type_v
 #: the ends of the model the input rows and the output buffers. Measured on Qwen2.5-Coder
 #: 0.5B / 1.5B windows at n_ctx 4096, weights read into memory (bench/device_memory.py:
 #: resident anonymous memory less file size less KV): 34-60 MiB for a middle window, 80-90
-#: MiB for the first and the last, the Python process's own heap included. The last window
-#: also holds a zeroed logits buffer of n_vocab floats per sequence (``logits_bytes``: 148
-#: MiB for the 0.5B's vocabulary at 256 sequences, measured 142 MiB more resident than at
-#: one). The node's idle process (about 60 MiB) is used memory already when it reports
-#: what is free.
+#: MiB for the first and the last, the Python process's own heap included. The node's idle
+#: process (about 60 MiB) is used memory already when it reports what is free. A window
+#: with the real vocabulary (the first, the last) holds more (``ends_need``).
 WINDOW_OVERHEAD = 48 << 20
 ENDS_OVERHEAD = 48 << 20
 
 
 def logits_bytes(memory: ModelMemory, n_seq_max: int) -> int:
-    """The last window's logits buffer."""
+    """The logits buffer of a context with the model's vocabulary: llama.cpp reserves
+    ``n_vocab`` floats for at least ``n_seq_max`` outputs (148 MiB for Qwen2.5's vocabulary at
+    256 sequences, measured 142-148 MiB more resident than at one), also in the first window,
+    which never computes logits."""
     return 4 * memory.n_vocab * n_seq_max
+
+
+def ends_need(memory: ModelMemory, first: bool, last: bool, n_seq_max: int) -> int:
+    """What a window holding an end of the model takes beyond its layers: the embeddings, the
+    head where it holds one, the logits buffer, ``ENDS_OVERHEAD``; and for a first window
+    that is not the last, the head llama.cpp makes from the token embeddings when the file
+    has none (a copy once weights are read or repacked). Measured on the 1.5B's first window
+    of 10 layers at 256 sequences: 819 MiB resident against 536 counted without those two."""
+    if not (first or last):
+        return 0
+    need = memory.embd_bytes + ENDS_OVERHEAD + logits_bytes(memory, n_seq_max)
+    if last or memory.head_on_first:
+        need += memory.head_bytes
+    elif first:
+        need += memory.embd_bytes
+    return need
 
 
 def window_need(memory: ModelMemory, a: int, b: int, n_ctx: int, n_seq_max: int) -> int:
     """What a loaded window ``[a, b)`` takes, as the planner counts it against a node's free
-    memory: weights, KV cache, embeddings and head where it holds them, llama.cpp's buffers
-    and, for the last window, its logits buffer."""
-    ends = a == 0 or b == memory.n_layer
-    return (memory.window_bytes(a, b, n_ctx) + WINDOW_OVERHEAD + (ENDS_OVERHEAD if ends else 0)
-            + (logits_bytes(memory, n_seq_max) if b == memory.n_layer else 0))
+    memory: weights, KV cache, llama.cpp's buffers, and what the ends hold (``ends_need``)."""
+    layers = sum(memory.layer_bytes(i, n_ctx) for i in range(a, b))
+    return (layers + WINDOW_OVERHEAD
+            + ends_need(memory, a == 0, b == memory.n_layer, n_seq_max))
 
 
 @dataclass(frozen=True)
@@ -327,10 +343,11 @@ def plan_ring(n_layer: int, layer_bytes: int, nodes: Sequence[NodeProfile], *,
         ends = [0] * len(nodes)  # the first node holds the embeddings, the last the head too
         if memory is not None:
             ends = [rounds * WINDOW_OVERHEAD] * len(nodes)
-            ends[0] += (memory.embd_bytes + (memory.head_bytes if memory.head_on_first else 0)
-                        + ENDS_OVERHEAD)
-            ends[-1] += (memory.embd_bytes + memory.head_bytes + ENDS_OVERHEAD
-                         + logits_bytes(memory, n_seq_max))
+            if len(nodes) == 1 and rounds == 1:  # one window: both ends
+                ends[0] += ends_need(memory, True, True, n_seq_max)
+            else:
+                ends[0] += ends_need(memory, True, False, n_seq_max)
+                ends[-1] += ends_need(memory, False, True, n_seq_max)
         caps = [max(0, int((n.free_mem * reserve - end) // max(layer_bytes, 1))) if n.free_mem else
                 n_layer for n, end in zip(nodes, ends, strict=True)]
         # Every ring member holds at least one layer; a node without room for one would be
