@@ -21,6 +21,7 @@ import sys
 import uuid
 from pathlib import Path
 
+import lab as homelab
 import pytest
 
 from edgespec.node.info import cgroup_room, free_ram_bytes
@@ -178,81 +179,48 @@ def test_profiling_times_middle_layers_where_the_model_has_them():
     assert profile_window(2, 2) == (0, 1) and profile_window(1, 2) == (0, 1)
 
 
-def _memory_cgroup(limit: int) -> tuple[Path, str]:
-    """A real memory cgroup with ``limit`` (v2 where it is the memory hierarchy, else v1)."""
-    name = f"edgespec-test-{uuid.uuid4().hex[:8]}"
-    v2 = Path("/sys/fs/cgroup")
-    if (v2 / "cgroup.controllers").exists() and "memory" in (v2 / "cgroup.controllers").read_text():
-        where, limit_file = v2 / name, "memory.max"
-    elif Path("/sys/fs/cgroup/memory").is_dir():
-        where, limit_file = Path("/sys/fs/cgroup/memory") / name, "memory.limit_in_bytes"
-    else:
-        pytest.skip("no memory cgroup hierarchy on this machine")
+@contextlib.contextmanager
+def _cgroup(memory_mib: int | None = None, cpu_share: float | None = None):
+    """A real cgroup (the home lab's, ``tests/lab.py``) with a memory limit and a CPU quota,
+    removed afterwards; skipped with the reason where none can be made."""
     try:
-        where.mkdir()
-        (where / limit_file).write_text(str(limit))
+        cg = homelab.Cgroup(f"edgespec-test-{uuid.uuid4().hex[:8]}")
     except OSError as e:
-        pytest.skip(f"cannot create a memory cgroup here ({e}): needs root and a writable "
-                    "cgroup hierarchy")
-    return where, limit_file
+        pytest.skip(f"cannot create a cgroup here ({e}): needs root and a writable cgroup "
+                    "hierarchy")
+    try:
+        cg.cap(memory_mib, cpu_share)
+        yield cg
+    finally:
+        cg.close()
+
+
+def _inside(cg, code: str) -> str:
+    """What ``code`` prints, run by a Python process inside ``cg``."""
+    return subprocess.run(cg.wrap([sys.executable, "-c", code]), capture_output=True,
+                          text=True, timeout=60, check=True).stdout
 
 
 def test_a_real_cgroup_limit_is_what_a_node_reports():
-    where, _ = _memory_cgroup(300 * MiB)
-    code = ("import os, sys; open(sys.argv[1] + '/cgroup.procs', 'w').write(str(os.getpid()));"
-            "from edgespec.node.info import free_ram_bytes; print(free_ram_bytes())")
-    try:
-        out = subprocess.run([sys.executable, "-c", code, str(where)], capture_output=True,
-                             text=True, timeout=60, check=True).stdout
-    finally:
-        with contextlib.suppress(OSError):  # empty once the process exited
-            os.rmdir(where)
+    with _cgroup(memory_mib=300) as cg:
+        out = _inside(cg, "from edgespec.node.info import free_ram_bytes; "
+                          "print(free_ram_bytes())")
     inside = int(out.strip())
     assert 0 < inside <= 300 * MiB, inside
     assert free_ram_bytes() > 300 * MiB  # outside it: the machine's figure
 
 
-def _cpu_cgroup(quota_us: int, period_us: int = 100_000) -> Path:
-    """A real CPU cgroup with a CFS quota (v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us``)."""
-    name = f"edgespec-test-{uuid.uuid4().hex[:8]}"
-    v2 = Path("/sys/fs/cgroup")
-    try:
-        if (v2 / "cgroup.controllers").exists() and "cpu" in (v2 / "cgroup.controllers").read_text().split():
-            where = v2 / name
-            where.mkdir()
-            (where / "cpu.max").write_text(f"{quota_us} {period_us}")
-        elif Path("/sys/fs/cgroup/cpu").is_dir():
-            where = Path("/sys/fs/cgroup/cpu") / name
-            where.mkdir()
-            (where / "cpu.cfs_period_us").write_text(str(period_us))
-            (where / "cpu.cfs_quota_us").write_text(str(quota_us))
-        else:
-            pytest.skip("no cpu cgroup hierarchy on this machine")
-    except OSError as e:
-        pytest.skip(f"cannot create a cpu cgroup here ({e}): needs root and a writable "
-                    "cgroup hierarchy")
-    return where
-
-
 def test_a_real_cpu_quota_is_read():
-    where = _cpu_cgroup(25_000)
-    code = ("import os, sys; open(sys.argv[1] + '/cgroup.procs', 'w').write(str(os.getpid()));"
-            "from edgespec.node.info import cpu_quota_cores; print(cpu_quota_cores())")
-    try:
-        out = subprocess.run([sys.executable, "-c", code, str(where)], capture_output=True,
-                             text=True, timeout=60, check=True).stdout
-    finally:
-        with contextlib.suppress(OSError):
-            os.rmdir(where)
+    with _cgroup(cpu_share=0.25) as cg:
+        out = _inside(cg, "from edgespec.node.info import cpu_quota_cores; "
+                          "print(cpu_quota_cores())")
     assert float(out) == pytest.approx(0.25)
 
 
 PROFILE = """
-import json, os, sys
-if sys.argv[2]:
-    open(sys.argv[2] + "/cgroup.procs", "w").write(str(os.getpid()))
+import json, sys
 from edgespec.node.profiling import profile_layers
-print(json.dumps(profile_layers(sys.argv[1], cache_dir=sys.argv[3], n_threads=1,
+print(json.dumps(profile_layers(sys.argv[1], cache_dir=sys.argv[2], n_threads=1,
                                 batch_sizes=(1, 4))["ms_per_layer"]))
 """
 
@@ -265,20 +233,17 @@ def test_a_device_at_a_quarter_of_a_core_is_profiled_and_planned_as_one(tmp_path
     from edgespec.head.planner import NodeProfile, plan_ring
 
     model = make_tiny_gguf(tmp_path / "m.gguf", "qwen2", n_layer=4, n_embd=256, seed=2)
-    where = _cpu_cgroup(25_000)
     env = dict(os.environ, OMP_WAIT_POLICY="passive")
 
-    def profile(cgroup: str) -> dict[str, float]:
-        out = subprocess.run([sys.executable, "-c", PROFILE, str(model), cgroup, str(tmp_path)],
-                             capture_output=True, text=True, timeout=120, env=env)
+    def profile(cg=None) -> dict[str, float]:
+        argv = [sys.executable, "-c", PROFILE, str(model), str(tmp_path)]
+        out = subprocess.run(cg.wrap(argv) if cg is not None else argv, capture_output=True,
+                             text=True, timeout=120, env=env)
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout)
 
-    try:
-        free, held = profile(""), profile(str(where))
-    finally:
-        with contextlib.suppress(OSError):
-            os.rmdir(where)
+    with _cgroup(cpu_share=0.25) as cg:
+        free, held = profile(), profile(cg)
     ratio = held["1"] / free["1"]
     assert ratio > 2.5, (free, held)  # 4x at 25% of a core; a burst-sized profile saw ~1x
     nodes = [NodeProfile(f"n{i}", f"n{i}", "127.0.0.1", 7000 + i,
