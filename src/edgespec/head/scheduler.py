@@ -115,10 +115,14 @@ class Scheduler:
                 raise RingBusy(f"all {self.parallel} slot(s) of the ring are busy and "
                                f"{waiting} request(s) wait already (max_queue "
                                f"{self.max_queue}): try again later")
-            self._numbers += 1
-            ticket = Ticket(self, self._numbers)
-            self._queue.append(ticket)
-            return ticket
+            return self._enqueue()
+
+    def _enqueue(self) -> Ticket:
+        """A new ticket at the end of the queue (called holding ``_cond``)."""
+        self._numbers += 1
+        ticket = Ticket(self, self._numbers)
+        self._queue.append(ticket)
+        return ticket
 
     def _withdraw(self, ticket: Ticket) -> None:
         with self._cond:
@@ -155,9 +159,7 @@ class Scheduler:
                 ticket = self.admit()
             else:
                 with self._cond:
-                    self._numbers += 1
-                    ticket = Ticket(self, self._numbers)
-                    self._queue.append(ticket)
+                    ticket = self._enqueue()
         slot: Slot | None = None
         with self._cond:
             if ticket.state != "waiting":
@@ -246,11 +248,6 @@ class Scheduler:
             slot.session.chain.park()
         except NodeLost as e:  # its next request finds the ring lost and recovers
             log.debug("slot %d: not parked: %s", slot.index, e)
-
-    @property
-    def current_chain(self) -> Chain:
-        """The chain in force (a new one after a rebuild)."""
-        return self.chain
 
     # ------------------------------------------------------------ recovery
 
