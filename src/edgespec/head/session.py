@@ -13,7 +13,6 @@ like Petals' client-side inference session. ``edgespec.api.Ring`` is its public 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -81,10 +80,9 @@ class Session:
                 self.engine.stats = self.engine.stats.merged(previous)
 
     def recover_from(self, exc: Exception) -> None:
-        """Go on on the rebuilt ring (``recover``; ``RingError`` when it cannot be)."""
+        """Go on on the rebuilt ring (``recover``; ``RingError`` when it cannot be). The old
+        chain is the scheduler's to close, once, with the ring it replaces."""
         assert self.recover is not None
-        with contextlib.suppress(Exception):
-            self.chain.close()
         self.chain = self.recover(exc)
         self.engine.replace_chain(self.chain)
 
