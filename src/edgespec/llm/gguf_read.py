@@ -313,16 +313,8 @@ def fingerprint(path: str | os.PathLike[str]) -> str:
     return read_info(path).fingerprint
 
 
-def file_sha256(path: str | os.PathLike[str], *, keep_cached: bool = True) -> str:
-    """sha256 of a file. ``keep_cached=False``: drop what was read from the page cache as it
-    goes (``gguf_write.read_once``), for a file that is not about to be read again."""
+def file_sha256(path: str | os.PathLike[str]) -> str:
     h = hashlib.sha256()
-    if not keep_cached:
-        from edgespec.llm.gguf_write import read_once
-
-        for chunk in read_once(path):
-            h.update(chunk)
-        return h.hexdigest()
     with open(path, "rb") as f:
         while chunk := f.read(COPY_CHUNK):
             h.update(chunk)

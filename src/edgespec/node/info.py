@@ -5,6 +5,7 @@ Everything here is public by design (it goes into mDNS TXT records): no paths, n
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import secrets
@@ -266,10 +267,12 @@ def model_sha256(path: str | os.PathLike[str]) -> str:
     digest = _read_stamp(p, st)
     if digest is not None:
         return digest
-    from edgespec.llm.gguf_read import file_sha256
+    from edgespec.llm.gguf_write import read_once
 
-    # Read once at start-up: not left cached on the device.
-    digest = file_sha256(p, keep_cached=False)
+    h = hashlib.sha256()
+    for chunk in read_once(p):  # read once at start-up: not left cached on the device
+        h.update(chunk)
+    digest = h.hexdigest()
     stamp = p.with_name(p.name + ".sha256")
     try:
         tmp = stamp.with_name(stamp.name + f".tmp{os.getpid()}")
