@@ -1,12 +1,15 @@
 """What a device holds for its window: peak resident memory (anonymous + file-mapped) and load
-time of each window of an N-way split, with the model file mapped and read, side by side.
+time of each window of an N-way split, the model file mapped (its pages released once loaded,
+as the node does) and read into memory, side by side.
 
     .venv/bin/python -m bench.device_memory --model qwen2.5-coder-1.5b --stages 3
 
-Each (window, mapping) is loaded in a fresh process, as a node loads it (``StageRuntime``: the
-shard a local ring cuts, ``n_ctx`` KV cells, one thread), then decodes one 16-row batch (so
-lazily touched pages are in), and reports its peak: ``VmHWM`` (resident, anonymous and file
-pages together) and, at the end, ``RssAnon`` and ``RssFile``. The order of the two mappings
+Each (window, mode) is loaded in a fresh process, as a node loads it (``StageRuntime``: the
+shard a local ring cuts, ``n_ctx`` KV cells, 256 sequences as a ring's stages have), then
+prefills 300 rows, verifies a 64-row tree on a second sequence (all its logits on the last
+window) and decodes 5 rows, and reports its peak: ``VmHWM`` (resident, anonymous and file
+pages together) and, at the end, ``RssAnon`` and ``RssFile``. The idle process (Python, numpy,
+llama.cpp's libraries) is measured the same way and reported apart. The order of the two modes
 alternates per window. The unsplit model is measured the same way for reference.
 
 Output: JSON on stdout and in ``<out>/device_memory.json``.
@@ -29,19 +32,32 @@ import json, os, sys, time
 os.environ["EDGESPEC_MMAP"] = sys.argv[2]
 import numpy as np
 from edgespec.node.runtime import StageRuntime
+
+def status():
+    st = dict(line.split(":", 1) for line in open("/proc/self/status") if ":" in line)
+    return {k: int(st[k].split()[0]) // 1024 for k in ("VmHWM", "RssAnon", "RssFile")}
+
+idle = status()
 t0 = time.perf_counter()
-rt = StageRuntime(sys.argv[1], n_ctx=int(sys.argv[3]), n_seq_max=1, n_threads=1)
+rt = StageRuntime(sys.argv[1], n_ctx=int(sys.argv[3]), n_seq_max=256, n_threads=2)
 load_s = time.perf_counter() - t0
-rows = 16
-if rt.is_first:
-    x = np.arange(rows, dtype=np.int32) + 100
-else:
-    x = np.random.default_rng(0).standard_normal((rows, rt.n_embd)).astype(np.float32)
-rt.forward(x, np.arange(rows, dtype=np.int32), [[0]] * rows)
-status = dict(line.split(":", 1) for line in open("/proc/self/status") if ":" in line)
-kib = lambda k: int(status[k].split()[0]) // 1024
-print(json.dumps({"load_s": round(load_s, 3), "peak_mib": kib("VmHWM"),
-                  "anon_mib": kib("RssAnon"), "file_mib": kib("RssFile")}))
+rng = np.random.default_rng(0)
+
+def rows(n, seq, p0, want):
+    x = (np.arange(n, dtype=np.int32) % 5000 + 100 if rt.is_first
+         else rng.standard_normal((n, rt.n_embd)).astype(np.float32))
+    kw = {"want_rows": want} if rt.is_last else {}
+    rt.forward(x, np.arange(p0, p0 + n, dtype=np.int32), [[seq]] * n, **kw)
+
+rows(300, 0, 0, [299])
+rt.kv_seq_cp(0, 1)
+rows(64, 1, 300, list(range(64)))
+for i in range(5):
+    rows(1, 0, 300 + i, [0])
+end = status()
+print(json.dumps({"load_s": round(load_s, 3), "peak_mib": end["VmHWM"],
+                  "anon_mib": end["RssAnon"], "file_mib": end["RssFile"],
+                  "idle_mib": idle["RssAnon"] + idle["RssFile"]}))
 rt.close()
 """
 
@@ -77,7 +93,7 @@ def main() -> None:
         path = model if (a, b) == (0, info.n_layer) else stage_shard(model, a, b)
         row: dict[str, Any] = {"window": f"{a}:{b}", "file_mib": path.stat().st_size >> 20}
         for mmap in ((True, False) if i % 2 == 0 else (False, True)):
-            row["mmap" if mmap else "read"] = measure(path, mmap, args.ctx)
+            row["mapped" if mmap else "read"] = measure(path, mmap, args.ctx)
         rows.append(row)
         print(json.dumps(row), file=sys.stderr)
     result = {"benchmark": "device_memory", "model": model.name, "stages": args.stages,

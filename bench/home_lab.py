@@ -171,24 +171,40 @@ def drop_page_cache(path: Path) -> None:
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
+#: How long the mapped unsplit model may page its weights under a device's cap before the run
+#: is called off (16 tokens take about 3 s without a cap).
+UNSPLIT_MAPPED_TIMEOUT_S = 120
+
+
 def unsplit(model: Path, prompt_ids: list[int], n_ctx: int, cap_mib: int | None,
-            shape: str = "split") -> dict[str, Any]:
+            shape: str = "split", mapped: bool = True, timeout: float = 900) -> dict[str, Any]:
     """The unsplit model's greedy tokens in a cgroup of its own (``cap_mib`` None: no limit,
-    the cgroup only measures its peak)."""
+    the cgroup only measures its peak). ``mapped`` False reads the file into memory; mapped
+    under a cap too small for it, the process is not killed but re-reads its weights from the
+    file as the kernel evicts them, so ``timeout`` bounds that run."""
     drop_page_cache(model)
     cg = homelab.Cgroup(f"edgespec-bench-unsplit-{uuid.uuid4().hex[:6]}")
     try:
         cg.cap(memory_mib=cap_mib)
         t0 = time.monotonic()
-        res = subprocess.run(cg.wrap([sys.executable, "-c", UNSPLIT, str(model), str(n_ctx),
-                                      json.dumps(prompt_ids), str(EXACT_TOKENS), shape]),
-                             capture_output=True, text=True, timeout=900,
-                             env=dict(os.environ, OMP_WAIT_POLICY="passive"))
-        out: dict[str, Any] = {
-            "cap_mib": cap_mib, "n_ctx": n_ctx, "prompt_shape": shape,
-            "returncode": res.returncode,
-            "loaded": "loaded" in res.stderr, "oom_kills": cg.oom_kills(),
-            "peak_mib": cg.peak_mib(), "wall_s": round(time.monotonic() - t0, 1)}
+        out: dict[str, Any] = {"cap_mib": cap_mib, "n_ctx": n_ctx, "prompt_shape": shape,
+                               "mapped": mapped, "timeout_s": timeout}
+        try:
+            res = subprocess.run(
+                cg.wrap([sys.executable, "-c", UNSPLIT, str(model), str(n_ctx),
+                         json.dumps(prompt_ids), str(EXACT_TOKENS), shape]),
+                capture_output=True, text=True, timeout=timeout,
+                env=dict(os.environ, OMP_WAIT_POLICY="passive",
+                         EDGESPEC_MMAP="1" if mapped else "0"))
+        except subprocess.TimeoutExpired as e:
+            err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+            out.update({"returncode": None, "timed_out": True, "loaded": "loaded" in err,
+                        "oom_kills": cg.oom_kills(), "peak_mib": cg.peak_mib(),
+                        "wall_s": round(time.monotonic() - t0, 1), "killed": False})
+            return out
+        out.update({"returncode": res.returncode, "timed_out": False,
+                    "loaded": "loaded" in res.stderr, "oom_kills": cg.oom_kills(),
+                    "peak_mib": cg.peak_mib(), "wall_s": round(time.monotonic() - t0, 1)})
         out["killed"] = res.returncode != 0 and out["oom_kills"] > 0
         if res.returncode == 0:
             out["tokens"] = json.loads(res.stdout.strip().splitlines()[-1])
@@ -245,6 +261,9 @@ def ring_up(lab: homelab.HomeLab, model: Path, key_file: Path, *, nodes: str = "
            "command": " ".join(["edgespec", *argv[len(homelab.edgespec()):]])}
     if res.returncode == 0:
         out["plan_table"] = res.stdout.split("ring plan:\n", 1)[-1].split("\nloading", 1)[0]
+        # What gave way for the ring to fit (planner.fit_plan): fewer sequences, roomy ends.
+        out["plan_notes"] = [line for line in res.stdout.splitlines()
+                             if "sequences" in line or "hold the ends" in line]
     else:
         out["error"] = (res.stderr.strip() or res.stdout.strip())[-800:]
     return out
@@ -458,19 +477,21 @@ def markdown(result: dict[str, Any]) -> str:
              f"Started {result['started']}, {result['runtime_s']:.0f} s in all  ",
              "Machine: " + ", ".join(f"{k} {v}" for k, v in result["machine"].items()), "",
              "## Unsplit model", "",
-             "| run | cap MiB | n_ctx | prompt batch | killed | OOM kills | peak MiB | tokens |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| run | cap MiB | n_ctx | prompt batch | killed | OOM kills | peak MiB | wall s | tokens |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for label, u in (("reference (no cap)", result["unsplit_reference"]),
                      ("reference, ring's prompt batch (no cap)",
                       result["unsplit_reference_ring_shape"]),
-                     ("under one device's cap", result["unsplit_capped"])):
+                     ("under one device's cap, read into memory", result["unsplit_capped"]),
+                     ("under one device's cap, mapped", result["unsplit_capped_mapped"])):
         toks = ("reference" if u is result["unsplit_reference"] else
                 ("= reference" if u.get("tokens") == result["unsplit_reference"].get("tokens")
-                 else ("differ" if "tokens" in u else "-")))
+                 else ("differ" if "tokens" in u else
+                       (f"none in {u['timeout_s']} s" if u.get("timed_out") else "-"))))
         lines.append(f"| {label} | {u['cap_mib'] or '-'} | {u['n_ctx']} | "
                      f"{PROMPT_SHAPES[u['prompt_shape']]} | "
                      f"{'yes' if u['killed'] else 'no'} | {u['oom_kills']} | {u['peak_mib']} | "
-                     f"{toks} |")
+                     f"{u['wall_s']} | {toks} |")
     lines += ["", "## Scenarios (ring up --nodes auto, planned)", "",
               "| scenario | device | cap MiB | CPU | ring order | layers | window | cgroup peak MiB "
               "| times at cap | node peak RSS MiB | OOM killed | node alive | ring formed | "
@@ -486,6 +507,12 @@ def markdown(result: dict[str, Any]) -> str:
                 f"{'yes' if d['oom_kills'] else 'no'} | "
                 f"{'yes' if d['node_alive'] else 'no'} | {'yes' if s['ring_up']['ok'] else 'no'}"
                 f" | {exact_text(s)} | {s.get('exact_ring_shape', '-')} |")
+    notes = [(s["scenario"], n) for s in result["scenarios"]
+             for n in s["ring_up"].get("plan_notes", []) if "at 256 sequences and" not in n]
+    if notes:
+        lines += ["", "What gave way for a ring to fit (`ring up`'s log):", ""]
+        lines += [f"- {name}: {n}" for name, n in notes]
+    lines += ["", "Sequences per context where nothing gave way: 256."]
     failed = [s for s in result["scenarios"] if not s["ring_up"]["ok"]]
     if failed:
         lines += ["", "Rings that did not form:", ""]
@@ -616,9 +643,14 @@ def main(argv: list[str] | None = None) -> int:
                                                              shape="whole")
     refs = {"split": ref, "whole": whole.get("tokens") or []}
     log(f"  peak {ref_run['peak_mib']} MiB; under a {args.unsplit_cap} MiB cap...")
-    result["unsplit_capped"] = capped = unsplit(model, prompt_ids, 4096, args.unsplit_cap)
-    log(f"  killed: {capped['killed']} (rc {capped['returncode']}, OOM kills "
-        f"{capped['oom_kills']}), peak {capped['peak_mib']} MiB")
+    result["unsplit_capped"] = capped = unsplit(model, prompt_ids, 4096, args.unsplit_cap,
+                                                mapped=False)
+    log(f"  read into memory: killed: {capped['killed']} (rc {capped['returncode']}, OOM kills "
+        f"{capped['oom_kills']}), peak {capped['peak_mib']} MiB; mapped...")
+    result["unsplit_capped_mapped"] = paged = unsplit(model, prompt_ids, 4096, args.unsplit_cap,
+                                                      timeout=UNSPLIT_MAPPED_TIMEOUT_S)
+    log(f"  mapped: {'timed out' if paged['timed_out'] else 'rc ' + str(paged['returncode'])} "
+        f"after {paged['wall_s']} s, peak {paged['peak_mib']} MiB")
 
     specs = {"a": parse_caps(args.caps_a), "b": parse_caps(args.caps_b),
              "b_mid": parse_caps(args.caps_b_mid),

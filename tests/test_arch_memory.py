@@ -12,11 +12,15 @@ import pytest
 from tinygguf import make_tiny_gguf
 
 from edgespec.head.planner import (
-    ENDS_OVERHEAD,
+    RESERVE,
+    TREE_ROWS,
     WINDOW_OVERHEAD,
     NodeProfile,
+    ends_need,
+    logits_bytes,
     model_memory,
     plan_ring,
+    window_need,
 )
 from edgespec.llm import llamacpp
 from edgespec.llm.shards import shard_model
@@ -95,35 +99,42 @@ def test_plan_fits_moe_windows_into_free_memory(models) -> None:
     mem = model_memory(model)
     n = mem.n_layer
     uniform = model.stat().st_size // n
-    fixed = WINDOW_OVERHEAD + ENDS_OVERHEAD  # what the last window takes beyond its tensors
-    small = int((3 * uniform + fixed) / 0.8) + 1
+    small = int(window_need(mem, n - 1, n, N_CTX, 256) / RESERVE) + 1
+    assert window_need(mem, n - 2, n, N_CTX, 256) > small * RESERVE
     nodes = [NodeProfile("b", "big", "10.0.0.2", 1, free_mem=1 << 34),
              NodeProfile("a", "small", "10.0.0.1", 1, free_mem=small)]
     plan = plan_ring(n, uniform, nodes, memory=mem, n_ctx=N_CTX)
     for i, node in enumerate(nodes):
-        need = sum(mem.window_bytes(w.start, w.stop, N_CTX) + fixed for w in plan.windows
+        need = sum(window_need(mem, w.start, w.stop, N_CTX, 256) for w in plan.windows
                    if w.node == i)
-        assert need <= node.free_mem * 0.8
+        assert need <= node.free_mem * RESERVE
     assert plan.ranges == [(0, 4), (4, 5)]
 
 
-def test_the_first_window_counts_what_its_vocabulary_costs(models) -> None:
-    """A first window (not the last) holds the embeddings, a logits buffer for every sequence
-    (llama.cpp reserves it for any context with the real vocabulary) and, in a file without a
-    head, the head llama.cpp makes from the embeddings; a middle window holds none of them;
-    gpt-oss keeps its real head in the first window instead of the copy."""
-    from edgespec.head.planner import logits_bytes, window_need
-
+def test_the_ends_count_what_their_vocabulary_costs(models) -> None:
+    """Embeddings are mapped and cost only the rows read; each end holds a head (the last reads
+    it, the first holds llama.cpp's repacked copy of the embeddings, or gpt-oss's own head);
+    the logits buffer llama.cpp clears at creation counts where it is bigger than the compute
+    buffers, and the last window also writes a tree's logits; a middle window holds none of
+    them."""
+    big = 1 << 40  # the logits reserve above WINDOW_OVERHEAD whatever the test model's vocabulary
     mem = model_memory(models["qwen3"])
+    n = mem.n_layer
     layers = sum(mem.layer_bytes(i, N_CTX) for i in range(2))
+    reserve = logits_bytes(mem, 256)
     first = window_need(mem, 0, 2, N_CTX, 256)
-    assert first == (layers + WINDOW_OVERHEAD + ENDS_OVERHEAD + 2 * mem.embd_bytes
-                     + logits_bytes(mem, 256))
+    assert first == (layers + WINDOW_OVERHEAD + mem.embd_bytes
+                     + max(0, reserve - WINDOW_OVERHEAD))
+    last_layers = sum(mem.layer_bytes(i, N_CTX) for i in range(n - 2, n))
+    assert window_need(mem, n - 2, n, N_CTX, 256) == (
+        last_layers + WINDOW_OVERHEAD + (mem.head_bytes or mem.embd_bytes)
+        + max(0, reserve - WINDOW_OVERHEAD) + logits_bytes(mem, TREE_ROWS))
     assert window_need(mem, 1, 3, N_CTX, 256) == (
         sum(mem.layer_bytes(i, N_CTX) for i in range(1, 3)) + WINDOW_OVERHEAD)
     assert logits_bytes(mem, 256) == 256 * logits_bytes(mem, 1) > 0
+    assert ends_need(mem, True, False, big // (4 * mem.n_vocab)) > big - WINDOW_OVERHEAD
     oss = model_memory(models["gpt-oss"])
     assert oss.head_on_first
     assert window_need(oss, 0, 2, N_CTX, 1) == (
-        sum(oss.layer_bytes(i, N_CTX) for i in range(2)) + WINDOW_OVERHEAD + ENDS_OVERHEAD
-        + oss.embd_bytes + oss.head_bytes + logits_bytes(oss, 1))
+        sum(oss.layer_bytes(i, N_CTX) for i in range(2)) + WINDOW_OVERHEAD + oss.head_bytes
+        + max(0, logits_bytes(oss, 1) - WINDOW_OVERHEAD))

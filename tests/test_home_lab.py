@@ -23,6 +23,7 @@ the record. Skipped, with the reason, where a lab cannot be built (not root, no 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import uuid
@@ -83,13 +84,14 @@ def lab_ok() -> None:
         pytest.skip(reason)
 
 
-def _capped_run(cap_mib: int, argv: list[str]) -> tuple[subprocess.CompletedProcess[str], int,
-                                                        int]:
+def _capped_run(cap_mib: int, argv: list[str], env: dict[str, str] | None = None,
+                ) -> tuple[subprocess.CompletedProcess[str], int, int]:
     """``argv`` run in a cgroup of its own capped at ``cap_mib``: (result, peak MiB, OOM kills)."""
     probe = homelab.Cgroup(f"edgespec-lab-probe-{uuid.uuid4().hex[:6]}")
     try:
         probe.cap(memory_mib=cap_mib)
-        res = subprocess.run(probe.wrap(argv), capture_output=True, text=True, timeout=300)
+        res = subprocess.run(probe.wrap(argv), capture_output=True, text=True, timeout=300,
+                             env=None if env is None else {**os.environ, **env})
         return res, probe.peak_mib(), probe.oom_kills()
     finally:
         probe.close()
@@ -168,8 +170,10 @@ def test_a_home_lab_of_a_slow_and_a_small_device(lab_ok, real_model_path, tmp_pa
         assert layers["n1"] * 2 < layers["n3"], plan  # 4x slower: about a quarter as many
         assert layers["n2"] < layers["n3"], plan  # as fast, but only what fits in its cap
 
-        # The unsplit model under the small device's cap is killed.
-        res, _, kills = _capped_run(SMALL, [sys.executable, "-c", UNSPLIT, str(model)])
+        # The unsplit model under the small device's cap is killed, read into memory as it
+        # must be to run at speed (mapped, it would re-read its weights from disk every token).
+        res, _, kills = _capped_run(SMALL, [sys.executable, "-c", UNSPLIT, str(model)],
+                                    env={"EDGESPEC_MMAP": "0"})
         assert res.returncode != 0 and "loaded" not in res.stdout and kills >= 1, res.stderr
 
         # A device restarted rejoins.

@@ -33,7 +33,14 @@ from edgespec.head.addresses import pick_address
 from edgespec.head.build import build_head
 from edgespec.head.config import HeadConfig
 from edgespec.head.formation import form_ring
-from edgespec.head.planner import NodeProfile, PlanError, plan_ring
+from edgespec.head.planner import (
+    ModelMemory,
+    NodeProfile,
+    PlanError,
+    fit_plan,
+    plan_ring,
+    roomy_ends,
+)
 from edgespec.llm.gguf_read import fingerprint
 from edgespec.tree.kvop import KvOp, KvOpCode
 from edgespec.wire import FieldTag, Kind, Message, auth, control_message, encode_frame
@@ -396,15 +403,59 @@ def test_planner_rounding_and_minimum_share():
 
 
 def test_planner_memory_caps():
-    # The fastest node can hold 5 layers (80% of its free memory); the rest flows to the
-    # others in proportion to their speeds.
+    # The fastest node can hold 5 layers (RESERVE, 90%, of its free memory); the rest flows
+    # to the others in proportion to their speeds.
     nodes = [_prof("fast", 1.0, free_mem=625), _prof("b", 2.0), _prof("c", 2.0)]
     plan = plan_ring(25, 100, nodes)
     assert _counts(plan) == [5, 10, 10]
     _check_cover(plan, 25)
     # Caps on every node, enough in total: each at most its cap.
     nodes = [_prof("a", 1.0, free_mem=1000), _prof("b", 1.0, free_mem=2000)]
-    assert _counts(plan_ring(20, 100, nodes)) == [8, 12]
+    assert _counts(plan_ring(20, 100, nodes)) == [9, 11]
+
+
+_MIB = 1 << 20
+# 12 layers of 10 MiB, no KV cache at n_ctx 0, and a vocabulary whose logits buffer is 195 MiB
+# at 256 sequences, 49 MiB at 64.
+_MEM = ModelMemory(layer_weights=[10 * _MIB] * 12, kv_per_token=[0] * 12, embd_bytes=20 * _MIB,
+                   head_bytes=30 * _MIB, n_vocab=200_000)
+
+
+def _fit(nodes, **kw):
+    return fit_plan(12, 10 * _MIB, nodes, memory=_MEM, n_ctx=0, **kw)
+
+
+def test_fit_plan_takes_the_most_sequences_that_fit():
+    roomy = [_prof(x, 1.0, free_mem=400 * _MIB) for x in "abc"]
+    fit = _fit(roomy)
+    assert (fit.n_seq_max, fit.order, fit.notes) == (256, [0, 1, 2], [])
+    # 250 MiB each: the ends' logits buffers at 256 sequences do not fit, at 128 they do.
+    short = [_prof(x, 1.0, free_mem=250 * _MIB) for x in "abc"]
+    with pytest.raises(PlanError):
+        plan_ring(12, 10 * _MIB, short, memory=_MEM, n_ctx=0, n_seq_max=256)
+    fit = _fit(short)
+    assert fit.n_seq_max == 128 and fit.order == [0, 1, 2]
+    assert any("128 sequences" in n for n in fit.notes), fit.notes
+    assert sum(w.n_layers for w in fit.plan.windows) == 12
+    # Sequences given are kept, fitting or not.
+    with pytest.raises(PlanError):
+        _fit(short, n_seq_max=256)
+
+
+def test_fit_plan_puts_the_roomiest_nodes_at_the_ends():
+    # A small device found last cannot hold the last window (head, logits) at any number of
+    # sequences; in the middle it holds a few layers.
+    nodes = [_prof("a", 1.0, free_mem=250 * _MIB), _prof("b", 1.0, free_mem=260 * _MIB),
+             _prof("s", 1.0, free_mem=140 * _MIB)]
+    assert roomy_ends(nodes) == [0, 2, 1]  # the roomiest (b) holds the last window
+    fit = _fit(nodes)
+    assert [n.name for n in fit.plan.nodes] == ["a", "s", "b"]
+    assert fit.order == [0, 2, 1] and any("hold the ends" in n for n in fit.notes)
+    layers = {fit.plan.nodes[w.node].name: w.n_layers for w in fit.plan.windows}
+    assert layers["s"] > 0 and sum(layers.values()) == 12
+    # Ranges given are the user's, node by node: their order stays, and the plan fails.
+    with pytest.raises(PlanError):
+        _fit(nodes, ranges=[(0, 4), (4, 8), (8, 12)])
 
 
 def test_planner_refuses_when_memory_is_short():

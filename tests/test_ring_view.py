@@ -96,12 +96,17 @@ def test_state_file_written_before_still_loads(tmp_path):
     assert (st.encoding, st.n_ctx, st.key_file, st.n_layer) == ("f16", 2048, None, 28)
     assert st.named_nodes()[-1] == ("jetson", ("192.168.1.40", 7821))
     assert st.left[0].reason == "lost: node jetson stopped answering"
-    assert st.to_dict() == OLD_STATE  # written back in the same format
+    # Written back in the same format, with the sequences the ring holds (256 before the
+    # plan could choose fewer).
+    assert st.to_dict() == {**OLD_STATE, "n_seq_max": 256}
+    path.write_text(json.dumps({**OLD_STATE, "n_seq_max": 64}))
+    assert load_state(path).n_seq_max == 64
     # The oldest files have no `left`, `encoding`, `n_ctx` or `key_file`: defaults.
     bare = {k: OLD_STATE[k] for k in ("model", "nodes", "plan")}
     path.write_text(json.dumps(bare))
     st = load_state(path)
-    assert (st.left, st.encoding, st.n_ctx, st.key_file) == ([], "f32", 4096, None)
+    assert (st.left, st.encoding, st.n_ctx, st.key_file, st.n_seq_max) == (
+        [], "f32", 4096, None, 256)
 
 
 @pytest.mark.parametrize("broken, says", [

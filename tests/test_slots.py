@@ -51,6 +51,10 @@ def test_slot_chain_maps_seq_ids_and_kv_ops_into_its_range():
     assert width == 64 and slot_width(1) == 256
     with pytest.raises(ValueError):
         slot_width(0)
+    # A ring planned with fewer sequences (memory short) has narrower slots.
+    assert slot_width(1, 64) == 64 and slot_width(2, 64) == 32
+    with pytest.raises(ValueError, match="64 sequences"):
+        slot_width(33, 64)
     sc = SlotChain(Demux(None), 2, width)  # seqs 128..191
     cleared = sc._ops(KvOp.clear())
     assert [op.code for op in cleared] == [KvOpCode.RM] * width

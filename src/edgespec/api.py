@@ -44,7 +44,7 @@ from edgespec.head.output import OutputProcessor
 from edgespec.head.scheduler import Scheduler, Ticket
 from edgespec.head.session import Session
 from edgespec.params import GenerationParams, Prepared
-from edgespec.seqs import slot_width
+from edgespec.seqs import N_SEQ, slot_width
 
 log = logging.getLogger("edgespec")
 
@@ -104,7 +104,8 @@ class Ring:
         refused with ``RingBusy`` at once."""
         if spec not in SPEC_MODES:
             raise ValueError(f"spec must be one of {', '.join(SPEC_MODES)}, got {spec!r}")
-        width = slot_width(parallel)  # ValueError unless 1 <= parallel <= 128
+        # ValueError unless 1 <= parallel <= n_seq // 2
+        width = slot_width(parallel, getattr(chain, "n_seq_max", N_SEQ))
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.default_spec = spec
@@ -114,7 +115,7 @@ class Ring:
         self._drafters: list[Any] = []
         config = engine or EngineConfig()
         # A slot's tree seqs (edgespec.head.slots).
-        max_seqs = {"max_seqs": width - 1} if parallel > 1 else {}
+        max_seqs = {"max_seqs": width - 1}
         # One cost model and one set of gain rates for the ring: laps, drafts and tree steps
         # measured on any slot serve them all (docs/design.md 5.8).
         cost, rates = CostModel(), RingRates()

@@ -12,13 +12,16 @@ from dataclasses import dataclass
 N_SEQ = 256
 
 
-def slot_width(parallel: int) -> int:
-    """Seq ids per slot (the committed one and its tree seqs); ValueError unless
-    ``1 <= parallel <= N_SEQ // 2`` (a slot needs a tree sequence besides its own)."""
+def slot_width(parallel: int, n_seq: int = N_SEQ) -> int:
+    """Seq ids per slot (the committed one and its tree seqs) of a context holding ``n_seq``
+    (a ring may hold fewer than ``N_SEQ`` where memory is short, ``planner.SEQ_CHOICES``);
+    ValueError unless ``1 <= parallel <= n_seq // 2`` (a slot needs a tree sequence besides
+    its own)."""
     if isinstance(parallel, bool) or not isinstance(parallel, int) \
-            or not 1 <= parallel <= N_SEQ // 2:
-        raise ValueError(f"parallel must be in 1..{N_SEQ // 2}, got {parallel}")
-    return N_SEQ // parallel
+            or not 1 <= parallel <= n_seq // 2:
+        raise ValueError(f"parallel must be in 1..{n_seq // 2} on a ring of {n_seq} "
+                         f"sequences, got {parallel}")
+    return n_seq // parallel
 
 
 @dataclass(frozen=True)

@@ -175,8 +175,9 @@ def attach(cls, state: str | os.PathLike[str] | None = None,
     head = head_identity()
     model = Path(st.model)
     known = st.node_addresses()  # one list: nodes a rebalance takes in, a recovery knows too
-    recover = recovering(model, key_bytes, known, head, st.options,
-                         n_ctx=st.n_ctx, encoding=st.encoding, take_over=take_over)
+    # A re-formed ring keeps the sequences this head's slots were cut from.
+    recover = recovering(model, key_bytes, known, head, st.options, n_ctx=st.n_ctx,
+                         encoding=st.encoding, n_seq_max=st.n_seq_max, take_over=take_over)
     try:
         chain = attach_chain(st, key_bytes, head=head, take_over=take_over)
     except NodeLost as e:
@@ -184,7 +185,8 @@ def attach(cls, state: str | os.PathLike[str] | None = None,
         chain = recover(e)
     ring = build_head(cls, chain, model, config, n_ctx=st.n_ctx, recover=recover)
     ring._rebalance_fn = rebalancing(model, key_bytes, known, head, st.options,
-                                     n_ctx=st.n_ctx, encoding=st.encoding)
+                                     n_ctx=st.n_ctx, encoding=st.encoding,
+                                     n_seq_max=chain.n_seq_max)
     return ring
 
 
@@ -210,11 +212,13 @@ def up(cls, model: str | os.PathLike[str], nodes: str = "auto",
                            take_over=take_over)
     options = {"encoding": encoding, "n_ctx": n_ctx, "key_file": key}
     known = list(addrs)
+    # A re-formed ring keeps the sequences this head's slots were cut from.
     recover = recovering(model_path, key_bytes, known, head, options, n_ctx=n_ctx,
-                         encoding=encoding, rounds=rounds)
+                         encoding=encoding, rounds=rounds, n_seq_max=chain.n_seq_max)
     ring = build_head(cls, chain, model_path, config, n_ctx=n_ctx, recover=recover)
     ring._rebalance_fn = rebalancing(model_path, key_bytes, known, head, options,
-                                     n_ctx=n_ctx, encoding=encoding, rounds=rounds)
+                                     n_ctx=n_ctx, encoding=encoding, rounds=rounds,
+                                     n_seq_max=chain.n_seq_max)
     return ring
 
 
@@ -268,7 +272,8 @@ def open_local_ring(cls, model: str | os.PathLike[str], stages: int,
                 live = [a for p, a in zip(nodes.procs, nodes.addresses, strict=True)
                         if p.poll() is None]
                 return reform_ring(live, model_path, key, n_ctx=n_ctx, encoding=encoding,
-                                   profile=False, proxy=proxy, log_fn=quiet, head=head)
+                                   profile=False, proxy=proxy, log_fn=quiet, head=head,
+                                   n_seq_max=chain.n_seq_max)
         else:
             from edgespec.head.chain import LocalChain, open_window
             from edgespec.llm.gguf_read import fingerprint

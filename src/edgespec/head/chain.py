@@ -71,6 +71,7 @@ class LocalChain:
         self.worker.stamp_windows = True
         self.n_vocab = n_vocab
         self.n_stages = len(runtimes)
+        self.n_seq_max = min(rt.n_seq_max for rt in runtimes)  # sequences every stage holds
         self._queue: collections.deque[Batch | list[KvOp]] = collections.deque()
 
     def submit(self, batch: Batch) -> None:

@@ -21,7 +21,14 @@ import numpy as np
 
 from edgespec.batch import Batch
 from edgespec.errors import NodeLost, RingBusy, RingError
-from edgespec.head.planner import NodeProfile, Plan, PlanError, model_memory, plan_ring, ring_order
+from edgespec.head.planner import (
+    NodeProfile,
+    Plan,
+    PlanError,
+    fit_plan,
+    model_memory,
+    ring_order,
+)
 from edgespec.head.remote import (
     CONNECT_TIMEOUT_S,
     DEAD_AFTER_S,
@@ -53,7 +60,7 @@ def _holder_of(health: ctl.HealthReply, head: dict | None) -> dict | None:
 
 def form_ring(addresses: Sequence[Address], model: str | os.PathLike[str], key: bytes, *,
               ranges: Sequence[tuple[int, int]] | None = None, stages: int | None = None,
-              rounds: int = 1, n_ctx: int = 4096, n_seq_max: int = 256, encoding: str = "f32",
+              rounds: int = 1, n_ctx: int = 4096, n_seq_max: int | None = None, encoding: str = "f32",
               profile: bool = True, proxy: Callable[[Address], Address] | None = None,
               head_id: str = "head", log_fn: Callable[[str], None] = log.info,
               send_shards: bool = False, head: dict | None = None,
@@ -61,7 +68,8 @@ def form_ring(addresses: Sequence[Address], model: str | os.PathLike[str], key: 
     """Connect, (profile,) plan, load, wire and check a ring over ``addresses``.
 
     ``head`` is this head's identity (``head_identity()``); a node held by another head is
-    refused with RingBusy naming it, unless ``take_over``.
+    refused with RingBusy naming it, unless ``take_over``. ``n_seq_max``: the sequences every
+    stage's context holds; None lets the plan choose (``planner.fit_plan``: the most that fit).
     """
     from edgespec.holder import describe_holder
     from edgespec.llm.gguf_read import fingerprint, read_info
@@ -113,11 +121,14 @@ def form_ring(addresses: Sequence[Address], model: str | os.PathLike[str], key: 
                             f"rounds")
         layer_bytes = max(1, model_path.stat().st_size // max(1, info.n_layer))
         try:
-            plan = plan_ring(info.n_layer, layer_bytes, profiles, rounds=rounds, ranges=ranges,
-                             memory=model_memory(model_path), n_ctx=n_ctx,
-                             n_seq_max=n_seq_max)
+            fit = fit_plan(info.n_layer, layer_bytes, profiles, rounds=rounds, ranges=ranges,
+                           memory=model_memory(model_path), n_ctx=n_ctx, n_seq_max=n_seq_max)
         except PlanError as e:
             raise RingError(f"cannot plan the ring: {e}") from e
+        plan, n_seq_max = fit.plan, fit.n_seq_max
+        members = [members[i] for i in fit.order]
+        for note in fit.notes:
+            log_fn(note)
         log_fn("ring plan:\n" + plan.table())
         # Load: every node its windows (cut from its own copy of the model).
         for i, m in enumerate(members):
@@ -135,7 +146,7 @@ def form_ring(addresses: Sequence[Address], model: str | os.PathLike[str], key: 
                 m.request("load", timeout=LOAD_TIMEOUT_S, **load)
         log_fn("linking the stages...")
         link_stages(members, plan.windows, proxy, hold)
-        chain = RemoteChain(members, plan, info.n_vocab, encoding)
+        chain = RemoteChain(members, plan, info.n_vocab, encoding, n_seq_max=n_seq_max)
         log_fn(f"health lap: {health_lap(chain):.0f} ms")
         return chain
     except BaseException:
@@ -337,6 +348,7 @@ def attach_chain(state: RingState, key: bytes, *, head: dict | None = None,
         raise
     from edgespec.llm.gguf_read import read_info
 
-    chain = RemoteChain(members, plan, read_info(state.model).n_vocab, state.encoding)
+    chain = RemoteChain(members, plan, read_info(state.model).n_vocab, state.encoding,
+                        n_seq_max=state.n_seq_max)
     chain.kv(KvOp.clear())
     return chain

@@ -19,6 +19,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 
 class PlanError(ValueError):
@@ -88,38 +89,54 @@ class Plan:
 
 _KV_BYTES = 2  # f16 cache cells, llama.cpp's default type_k / type_v
 
-#: What a window takes beyond its weights and KV cache: llama.cpp's compute buffers, and at
-#: the ends of the model the input rows and the output buffers. Measured on Qwen2.5-Coder
-#: 0.5B / 1.5B windows at n_ctx 4096, weights read into memory (bench/device_memory.py:
-#: resident anonymous memory less file size less KV): 34-60 MiB for a middle window, 80-90
-#: MiB for the first and the last, the Python process's own heap included. The node's idle
-#: process (about 60 MiB) is used memory already when it reports what is free. A window
-#: with the real vocabulary (the first, the last) holds more (``ends_need``).
-WINDOW_OVERHEAD = 48 << 20
-ENDS_OVERHEAD = 48 << 20
+#: What a window takes beyond its weights and KV cache: llama.cpp's compute buffers as a
+#: prefill touches them, the node's buffers for one batch. Measured on the 1.5B's middle window
+#: of 9 layers at n_ctx 4096 (``bench/device_memory.py``: peak resident, anonymous and file
+#: pages, after a 300-row prefill, a 64-row tree and 5 decodes, less the idle process's 44 MiB,
+#: less weights and KV): 88 MiB. The node's idle process is used memory already when it
+#: reports what is free. The windows with the real vocabulary hold more (``ends_need``).
+WINDOW_OVERHEAD = 96 << 20
+
+#: The share of a node's free memory a plan may fill: the rest absorbs what the counts above
+#: leave out (a longer prompt's attention scores, the allocator's slack). Every term is a
+#: measured upper bound (the 1.5B's windows peaked 4-29 MiB below their counts).
+RESERVE = 0.9
+
+#: Logits rows of the last window's largest verification batch (a tree of the largest budget,
+#: ``CostModel.BUDGETS``, and its root): written, so resident, once a tree is verified.
+TREE_ROWS = 64
 
 
 def logits_bytes(memory: ModelMemory, n_seq_max: int) -> int:
-    """The logits buffer of a context with the model's vocabulary: llama.cpp reserves
-    ``n_vocab`` floats for at least ``n_seq_max`` outputs (148 MiB for Qwen2.5's vocabulary at
-    256 sequences, measured 142-148 MiB more resident than at one), also in the first window,
-    which never computes logits."""
+    """The logits buffer of a context with the model's vocabulary: llama.cpp reserves and
+    clears ``n_vocab`` floats for ``n_seq_max`` outputs when the context is made (148 MiB for
+    Qwen2.5's vocabulary at 256 sequences), also in a first window, which never computes
+    logits; the node gives the pages back before its first decode
+    (``Context.release_output_reserve``)."""
     return 4 * memory.n_vocab * n_seq_max
 
 
 def ends_need(memory: ModelMemory, first: bool, last: bool, n_seq_max: int) -> int:
-    """What a window holding an end of the model takes beyond its layers: the embeddings, the
-    head where it holds one, the logits buffer, ``ENDS_OVERHEAD``; and for a first window
-    that is not the last, the head llama.cpp makes from the token embeddings when the file
-    has none (a copy once weights are read or repacked). Measured on the 1.5B's first window
-    of 10 layers at 256 sequences: 819 MiB resident against 536 counted without those two."""
+    """What a window holding an end of the model takes beyond its layers and
+    ``WINDOW_OVERHEAD``. Model files are mapped and their pages released once loaded
+    (``llamacpp.load_model``), so token embeddings cost only the rows a window reads, and a last
+    window's unused embeddings nothing. Each end holds a head: the last one reads it every step
+    (the embeddings' repacked copy when they are tied), the first one holds the repacked copy
+    llama.cpp makes of the embeddings when its file has no head (or its own head, with
+    ``head_on_first``). The logits buffer llama.cpp clears at creation is resident before any
+    compute buffer is touched, so it counts beyond ``WINDOW_OVERHEAD`` only where it is bigger;
+    the last window also writes the logits of a tree. Measured peaks of the 1.5B's first and
+    last windows (10 and 9 layers, 256 sequences): 604 and 664 MiB against 633 and 688
+    counted, the idle process's 44 MiB included."""
     if not (first or last):
         return 0
-    need = memory.embd_bytes + ENDS_OVERHEAD + logits_bytes(memory, n_seq_max)
-    if last or memory.head_on_first:
-        need += memory.head_bytes
-    elif first:
-        need += memory.embd_bytes
+    if last:
+        head = memory.head_bytes or memory.embd_bytes
+    else:
+        head = memory.head_bytes if memory.head_on_first else memory.embd_bytes
+    need = head + max(0, logits_bytes(memory, n_seq_max) - WINDOW_OVERHEAD)
+    if last:
+        need += logits_bytes(memory, min(TREE_ROWS, n_seq_max))
     return need
 
 
@@ -306,7 +323,7 @@ def ring_order(head_rtt: Sequence[float], pair_rtt: Sequence[Sequence[float | No
 
 
 def plan_ring(n_layer: int, layer_bytes: int, nodes: Sequence[NodeProfile], *,
-              rounds: int = 1, batch: int = 1, reserve: float = 0.8,
+              rounds: int = 1, batch: int = 1, reserve: float = RESERVE,
               ranges: Sequence[tuple[int, int]] | None = None,
               memory: ModelMemory | None = None, n_ctx: int = 4096,
               n_seq_max: int = 256) -> Plan:
@@ -381,3 +398,70 @@ def plan_ring(n_layer: int, layer_bytes: int, nodes: Sequence[NodeProfile], *,
     compute = sum(w.n_layers * nodes[w.node].layer_ms(batch) for w in windows)
     hops = sum(nodes[w.node].rtt_ms / 2 for w in windows) + nodes[windows[-1].node].rtt_ms / 2
     return Plan(nodes, windows, n_layer, est_lap_ms=compute + hops)
+
+
+#: Sequences a ring's contexts may hold, most first. Fewer shrink the logits buffer llama.cpp
+#: clears at each end (``logits_bytes``); 64 still fit the largest tree (``TREE_ROWS``) in
+#: one slot, so only a head serving several slots at once (``serve --parallel``) gives its
+#: slots' trees fewer leaves (``edgespec.seqs.slot_width``).
+SEQ_CHOICES = (256, 128, 64)
+
+
+def roomy_ends(nodes: Sequence[NodeProfile]) -> list[int]:
+    """``nodes``' indices reordered so that the two with the most free memory hold the ends
+    (the most at the last, which holds the head): the others keep their order between."""
+    order = list(range(len(nodes)))
+    if len(order) < 3:
+        return sorted(order, key=lambda i: nodes[i].free_mem or 0)
+    by_room = sorted(order, key=lambda i: nodes[i].free_mem or 0, reverse=True)
+    last, first = by_room[0], by_room[1]
+    return [first] + [i for i in order if i not in (first, last)] + [last]
+
+
+@dataclass
+class Fit:
+    """What :func:`fit_plan` settled on: the plan, the ring order (indices into the nodes
+    given), the sequences, and what gave way to fit."""
+
+    plan: Plan
+    order: list[int]
+    n_seq_max: int
+    notes: list[str]
+
+
+def fit_plan(n_layer: int, layer_bytes: int, nodes: Sequence[NodeProfile], *,
+             n_seq_max: int | None = None, ranges: Sequence[tuple[int, int]] | None = None,
+             **kwargs: Any) -> Fit:
+    """The plan for ``nodes`` in their order with the most sequences (``SEQ_CHOICES``, or
+    ``n_seq_max`` alone when given); where memory is short, fewer sequences, then the nodes
+    with the most free memory at the ends (``roomy_ends``; never with ``ranges``, which are
+    the user's, node by node). Raises the first PlanError when nothing fits."""
+    seqs = (n_seq_max,) if n_seq_max is not None else SEQ_CHOICES
+    orders = [list(range(len(nodes)))]
+    if ranges is None and kwargs.get("memory") is not None:
+        roomy = roomy_ends(nodes)
+        if roomy != orders[0]:
+            orders.append(roomy)
+    first_error: PlanError | None = None
+    for order in orders:
+        for k in seqs:
+            try:
+                plan = plan_ring(n_layer, layer_bytes, [nodes[i] for i in order],
+                                 ranges=ranges, n_seq_max=k, **kwargs)
+            except PlanError as e:
+                if first_error is None:
+                    first_error = e
+                if kwargs.get("memory") is None:
+                    raise
+                continue
+            notes = []
+            if first_error is not None:
+                notes.append(f"at {seqs[0]} sequences and in this order: {first_error}")
+            if k != seqs[0]:
+                notes.append(f"the ring holds {k} sequences (not {seqs[0]}) to fit in memory")
+            if order != orders[0]:
+                notes.append("the nodes with the most free memory hold the ends: "
+                             + ", ".join(nodes[i].name for i in order))
+            return Fit(plan, order, k, notes)
+    assert first_error is not None
+    raise first_error

@@ -31,6 +31,7 @@ import numpy as np
 from edgespec.batch import Batch, Result
 from edgespec.errors import NodeLost, RingBusy, RingError, StageFailure, TakenOver
 from edgespec.head.planner import Plan
+from edgespec.seqs import N_SEQ
 from edgespec.tree.kvop import KvOp
 from edgespec.wire import FieldTag, Kind, Message
 from edgespec.wire import control as ctl
@@ -219,10 +220,11 @@ class RemoteChain:
     """The ``Chain`` over a ring of nodes (see ``edgespec.head.chain``)."""
 
     def __init__(self, members: list[Member], plan: Plan, n_vocab: int,
-                 encoding: str = "f32") -> None:
+                 encoding: str = "f32", n_seq_max: int = N_SEQ) -> None:
         self.members = members
         self.plan = plan
         self.n_vocab = n_vocab
+        self.n_seq_max = n_seq_max  # sequences every stage's context holds
         self.n_stages = len(plan.windows)
         self.encoding = encoding
         self._first = members[plan.windows[0].node]

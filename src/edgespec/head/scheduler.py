@@ -34,7 +34,7 @@ from typing import Any
 from edgespec.errors import NodeLost, RingBusy, RingError
 from edgespec.head.chain import Chain
 from edgespec.head.slots import Demux, Slot, SlotChain
-from edgespec.seqs import slot_width
+from edgespec.seqs import N_SEQ, slot_width
 
 log = logging.getLogger("edgespec.ring")
 
@@ -69,7 +69,7 @@ class Scheduler:
                  parallel: int = 1, max_queue: int | None = None,
                  recover: Callable[[Exception], Chain] | None = None) -> None:
         self.parallel = parallel
-        self.width = slot_width(parallel)
+        self.width = slot_width(parallel, getattr(chain, "n_seq_max", N_SEQ))
         self.max_queue: int | None = None
         self.set_max_queue(max_queue)
         self.chain = chain

@@ -101,6 +101,7 @@ class RingState:
     encoding: str = "f32"
     n_ctx: int = 4096
     key_file: str | None = None
+    n_seq_max: int = 256  # sequences every stage's context holds (the plan chose them)
 
     @property
     def options(self) -> dict[str, Any]:
@@ -112,7 +113,8 @@ class RingState:
                 "nodes": [n.to_dict() for n in self.nodes],
                 "plan": {"n_layer": self.n_layer, "est_lap_ms": self.est_lap_ms,
                          "windows": [[w.stage, w.node, w.start, w.stop] for w in self.windows]},
-                "left": [n.to_dict() for n in self.left], **self.options}
+                "left": [n.to_dict() for n in self.left], "n_seq_max": self.n_seq_max,
+                **self.options}
 
     @classmethod
     def from_dict(cls, d: Any, source: str = "the ring state") -> RingState:
@@ -140,7 +142,8 @@ class RingState:
                        left=left, created=float(_get(d, "created", (int, float), "state", 0.0)),
                        encoding=_get(d, "encoding", str, "state", "f32"),
                        n_ctx=_get(d, "n_ctx", int, "state", 4096),
-                       key_file=_get(d, "key_file", str, "state", None))
+                       key_file=_get(d, "key_file", str, "state", None),
+                       n_seq_max=_get(d, "n_seq_max", int, "state", 256))
         except ValueError as e:
             raise RingError(f"the ring state at {source} is unreadable ({e}); run `edgespec "
                             f"ring up` again") from None
@@ -209,7 +212,8 @@ def save_state(chain: Any, model: Path | str, options: dict[str, Any] | None = N
                       est_lap_ms=plan.est_lap_ms, left=left,
                       encoding=str(opts.get("encoding") or "f32"),
                       n_ctx=int(opts.get("n_ctx") or 4096),
-                      key_file=None if opts.get("key_file") is None else str(opts["key_file"]))
+                      key_file=None if opts.get("key_file") is None else str(opts["key_file"]),
+                      n_seq_max=int(getattr(chain, "n_seq_max", 256)))
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     tmp.write_text(json.dumps(state.to_dict(), indent=2))
     os.replace(tmp, path)

@@ -35,6 +35,7 @@ from typing import Any, TypeVar  # noqa: E402
 
 import llama_cpp  # noqa: E402
 
+from edgespec.llm import pages  # noqa: E402
 from edgespec.llm.cpu import default_threads, extra_bufts_default  # noqa: E402
 
 __all__ = [
@@ -107,6 +108,17 @@ class Closing:
     that hold llama.cpp memory (models, contexts, stage windows, the draft model). An explicit
     ``close()`` is the contract; ``__del__`` only covers a caller that forgot."""
 
+    def release_output_reserve(self) -> int:
+        """Give back the pages of the logits buffer llama.cpp reserves (and fills) at creation:
+        ``n_vocab`` floats for each of ``n_seq_max`` outputs, 148 MiB for Qwen2.5's vocabulary
+        at 256 sequences. A decode writes only the rows it outputs, so afterwards the buffer is
+        resident as far as outputs were asked for. Call before the first decode. Returns bytes."""
+        logits = llama_cpp.llama_get_logits(self.ptr)
+        address = ctypes.cast(logits, ctypes.c_void_p).value if logits else None
+        if not address:
+            return 0
+        return pages.release_range(address, 4 * self.model.n_vocab * self.n_seq_max)
+
     def close(self) -> None:  # pragma: no cover - every subclass defines it
         raise NotImplementedError
 
@@ -178,19 +190,21 @@ class Model(Closing):
         return f"Model({str(self.path)!r}, {state})"
 
 
-def mmap_default(extra_bufts: bool, n_gpu_layers: int = 0) -> bool:
-    """Whether to map model files. llama.cpp copies repacked CPU weights (extra buffer types)
-    into buffers of their own; with the file mapped, the pages it read them from stay resident
-    beside the copies until memory runs short, so a device looks (and, to a cgroup limit that
-    counts page cache, is) twice as full. Reading the file instead puts every weight in memory
-    once: the 1.5B (Q4_K_M, repacked) split 3 ways at n_ctx 4096 peaked at 873 / 537 / 899 MiB
-    per window mapped and 682 / 338 / 709 MiB read, loads within half a second of each other
-    (0.5-1.5 s on 2 EPYC cores, ``bench/device_memory.py``; llama.cpp's direct I/O mode loaded
-    2x slower for the same memory). ``EDGESPEC_MMAP=0|1`` overrides."""
+def mmap_default() -> bool:
+    """Whether to map model files (then release what the window does not read, see
+    :func:`load_model`). Mapped and released, a window holds each weight once: the copies
+    llama.cpp repacks for the CPU, and from the file only what it reads (norms, weights kept in
+    the file's layout, the embedding rows of its tokens, the last window's head), never the
+    token embeddings of a last window. The 1.5B (Q4_K_M, repacked)
+    split 3 ways at n_ctx 4096 and 256 sequences, after a 300-row prefill, a 64-row tree and 5
+    decodes: first / middle / last window peak at 604 / 405 / 663 MiB mapped and released
+    against 814 / 406 / 832 read into memory, and load in 0.68 / 0.32 / 0.54 s against 1.12 /
+    0.27 / 1.34 s; the unsplit model 1243 against 1420 MiB (``bench/device_memory.py``).
+    ``EDGESPEC_MMAP=0`` reads the file into llama.cpp's buffers instead; ``=1`` maps it."""
     env = os.environ.get("EDGESPEC_MMAP", "")
     if env in ("0", "1"):
         return env == "1"
-    return not (extra_bufts and n_gpu_layers == 0)
+    return True
 
 
 def load_model(
@@ -208,8 +222,9 @@ def load_model(
         use_extra_bufts: CPU extra buffer types (repacking, AMX). None =
             :func:`extra_bufts_default` (on unless the CPU has AMX, which segfaults, docs/design.md 3.6).
         vocab_only: load only the vocabulary (enough for a head's tokenizer).
-        use_mmap: map the file instead of reading it. None = :func:`mmap_default`: read it
-            when CPU weights are repacked, so no weight is resident twice.
+        use_mmap: map the file instead of reading it. None = :func:`mmap_default`. A mapped
+            file's pages are released once loaded (:func:`edgespec.llm.pages.release_file`):
+            what the window reads comes back from the file, repacked weights are held once.
 
     Raises:
         FileNotFoundError: no such file.
@@ -223,17 +238,46 @@ def load_model(
     params.n_gpu_layers = int(n_gpu_layers)
     params.vocab_only = bool(vocab_only)
     params.use_extra_bufts = extra_bufts_default() if use_extra_bufts is None else bool(use_extra_bufts)
-    mmap = (mmap_default(params.use_extra_bufts, int(n_gpu_layers)) if use_mmap is None
+    mmap = (mmap_default() if use_mmap is None
             else bool(use_mmap)) or bool(vocab_only)
     # AUTO maps the file where the device can; NONE reads it into llama.cpp's own buffers.
     params.load_mode = llama_cpp.LLAMA_LOAD_MODE_AUTO if mmap else llama_cpp.LLAMA_LOAD_MODE_NONE
+    release = None
+    if mmap and not vocab_only and pages.supported():
+        release = _ReleaseWhileLoading(p)
+        params.progress_callback = release.callback
     ptr = llama_cpp.llama_model_load_from_file(str(p).encode(), params)
     if not ptr:
         raise LlamaLoadError(
             f"llama.cpp could not load {p} (corrupt or truncated GGUF, or tensors that do not match "
             "its metadata); call edgespec.llm.llamacpp.set_verbose(True) to see llama.cpp's reason"
         )
-    return Model(ptr, p, int(n_gpu_layers), bool(vocab_only))
+    model = Model(ptr, p, int(n_gpu_layers), bool(vocab_only))
+    if release is not None:
+        pages.release_file(p)
+    return model
+
+
+class _ReleaseWhileLoading:
+    """llama.cpp's load progress callback: every tenth of the way, drop the pages of the mapped
+    file read so far, so that a window is never resident as mapped file and repacked copy at
+    once (pages still to be read come back from the file as llama.cpp reads them)."""
+
+    STEP = 0.1
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.next = self.STEP
+        self.callback = llama_cpp.llama_progress_callback(self._on_progress)
+
+    def _on_progress(self, progress: float, _user_data: Any) -> bool:
+        if progress >= self.next:
+            self.next = progress + self.STEP
+            try:
+                pages.release_file(self.path, evict=False)
+            except OSError:
+                pass  # releasing is an economy: loading goes on either way
+        return True
 
 
 # --------------------------------------------------------------------------------------------
@@ -324,6 +368,9 @@ def new_context(
     params.n_batch = int(n_batch)
     params.n_ubatch = int(n_ubatch if n_ubatch is not None else n_batch)
     params.n_seq_max = int(n_seq_max)
+    # llama.cpp reserves outputs for n_seq_max rows at least and asserts that this is within
+    # n_outputs_max (n_batch by default), which a batch smaller than n_seq_max would break.
+    params.n_outputs_max = max(int(n_batch), int(n_seq_max))
     params.kv_unified = bool(kv_unified)
     threads = int(n_threads) if n_threads is not None else default_threads()
     params.n_threads = threads
