@@ -126,6 +126,122 @@ def test_valid_requests_and_defaults():
     assert parse_request({"prompt": ["one"]}, False).text() == "one"
 
 
+# OpenAI fields this server does not implement: (body, endpoints, param, name in the message).
+_CHAT, _COMPLETION, _BOTH = (True,), (False,), (True, False)
+UNSUPPORTED = [
+    ({"n": 2}, _BOTH, "n", "'n'"), ({"n": True}, _BOTH, "n", "'n'"),
+    ({"frequency_penalty": 0.5}, _BOTH, "frequency_penalty", "'frequency_penalty'"),
+    ({"frequency_penalty": False}, _BOTH, "frequency_penalty", "'frequency_penalty'"),
+    ({"presence_penalty": -1}, _BOTH, "presence_penalty", "'presence_penalty'"),
+    ({"logit_bias": {"50256": -100}}, _BOTH, "logit_bias", "'logit_bias'"),
+    ({"logprobs": True}, _CHAT, "logprobs", "'logprobs'"),
+    ({"logprobs": 0}, _COMPLETION, "logprobs", "'logprobs'"),
+    ({"logprobs": 5}, _COMPLETION, "logprobs", "'logprobs'"),
+    ({"top_logprobs": 3}, _CHAT, "top_logprobs", "'top_logprobs'"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"},
+     _CHAT, "tools", "'tools'"),
+    ({"tool_choice": "required"}, _CHAT, "tool_choice", "'tool_choice'"),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, _CHAT, "tool_choice",
+     "'tool_choice'"),
+    ({"parallel_tool_calls": False}, _CHAT, "parallel_tool_calls", "'parallel_tool_calls'"),
+    ({"functions": [{"name": "f"}]}, _CHAT, "functions", "'functions'"),
+    ({"function_call": {"name": "f"}}, _CHAT, "function_call", "'function_call'"),
+    ({"response_format": {"type": "json_object"}}, _CHAT, "response_format",
+     "'response_format'"),
+    ({"modalities": ["text", "audio"]}, _CHAT, "modalities", "'modalities'"),
+    ({"audio": {"voice": "alloy", "format": "wav"}}, _CHAT, "audio", "'audio'"),
+    ({"prediction": {"type": "content", "content": "x"}}, _CHAT, "prediction", "'prediction'"),
+    ({"reasoning_effort": "low"}, _CHAT, "reasoning_effort", "'reasoning_effort'"),
+    ({"verbosity": "low"}, _CHAT, "verbosity", "'verbosity'"),
+    ({"web_search_options": {}}, _CHAT, "web_search_options", "'web_search_options'"),
+    ({"store": True}, _CHAT, "store", "'store'"),
+    ({"service_tier": "priority"}, _CHAT, "service_tier", "'service_tier'"),
+    ({"best_of": 3}, _COMPLETION, "best_of", "'best_of'"),
+    ({"echo": True}, _COMPLETION, "echo", "'echo'"),
+    ({"suffix": "\n    return x"}, _COMPLETION, "suffix", "'suffix'"),
+    ({"stream": True, "stream_options": {"include_obfuscation": True}}, _BOTH,
+     "stream_options", "'stream_options.include_obfuscation'"),
+    ({"messages": [{"role": "user", "content": "x", "name": "ann"}]}, _CHAT, "messages",
+     "'messages[0].name'"),
+    ({"messages": [{"role": "user", "content": "x"},
+                   {"role": "assistant", "content": "y",
+                    "tool_calls": [{"id": "1", "type": "function"}]}]}, _CHAT, "messages",
+     "'messages[1].tool_calls'"),
+    ({"messages": [{"role": "assistant", "content": "y", "refusal": "no"}]}, _CHAT,
+     "messages", "'messages[0].refusal'"),
+]
+
+
+def _bases(chats):
+    return [(c, {"messages": [{"role": "user", "content": "x"}]} if c else {"prompt": "x"})
+            for c in chats]
+
+
+@pytest.mark.parametrize("body, chats, param, name", UNSUPPORTED)
+def test_unimplemented_fields_are_refused_naming_them(body, chats, param, name):
+    """Never accepted and ignored: each is a 400 naming the field, raw JSON or parsed."""
+    for chat, base in _bases(chats):
+        for sent in ({**base, **body}, json.dumps({**base, **body}).encode()):
+            with pytest.raises(_BadRequest) as err:
+                parse_request(sent, chat)
+            assert err.value.status == 400 and err.value.param == param
+            assert err.value.code == "unsupported_parameter"
+            assert f"{name} is not supported by this server" in str(err.value)
+
+
+@pytest.mark.parametrize("body, chats", [
+    # What the official client, IDE plugins and agent frameworks send by default.
+    ({"n": 1, "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}}, _BOTH),
+    ({"n": None, "frequency_penalty": None, "presence_penalty": None, "logit_bias": None},
+     _BOTH),
+    ({"logprobs": False, "top_logprobs": 0, "tools": [], "tool_choice": "none",
+      "parallel_tool_calls": True, "functions": [], "function_call": "none",
+      "response_format": {"type": "text"}, "modalities": ["text"], "store": False,
+      "service_tier": "auto", "audio": None, "prediction": None, "reasoning_effort": None,
+      "verbosity": None, "web_search_options": None}, _CHAT),
+    ({"tool_choice": "auto", "function_call": "auto", "service_tier": "default"}, _CHAT),
+    ({"logprobs": None, "best_of": 1, "echo": False, "suffix": ""}, _COMPLETION),
+    ({"stream": True, "stream_options": {"include_usage": True, "include_obfuscation": False}},
+     _BOTH),
+    # Informational: they ask nothing of the generation.
+    ({"user": "u-42"}, _BOTH),
+    ({"safety_identifier": "s", "metadata": {"k": "v"}, "prompt_cache_key": "c"}, _CHAT),
+    ({"messages": [{"role": "system", "content": "s", "name": None},
+                   {"role": "user", "content": "x"},
+                   {"role": "assistant", "content": "y", "tool_calls": [], "refusal": None,
+                    "function_call": None, "audio": None}]}, _CHAT),
+])
+def test_neutral_values_of_unimplemented_fields_are_accepted(body, chats):
+    """Accepted, and they change nothing: the generation is the one without them."""
+    for chat, base in _bases(chats):
+        plain = generation_params(parse_request(base, chat), 16)
+        for sent in ({**base, **body}, json.dumps({**base, **body}).encode()):
+            assert generation_params(parse_request(sent, chat), 16) == plain
+
+
+@pytest.mark.parametrize("body, chats, param, name", [
+    ({"min_p": 0.05}, _BOTH, "min_p", "'min_p'"),  # llama-server's, not OpenAI's
+    ({"cache_prompt": True}, _BOTH, "cache_prompt", "'cache_prompt'"),
+    ({"messages": [{"role": "x"}]}, _COMPLETION, "messages", "'messages'"),
+    ({"prompt": "x"}, _CHAT, "prompt", "'prompt'"),
+    ({"tools": []}, _COMPLETION, "tools", "'tools'"),  # chat's, not completions'
+    ({"stream_options": {"include_usage": True, "chunk": 1}}, _BOTH, "stream_options",
+     "'stream_options.chunk'"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x",
+                                                  "cache_control": {"type": "ephemeral"}}]}]},
+     _CHAT, "messages", "'messages[0].content[0].cache_control'"),
+    ({"messages": [{"role": "tool", "content": "1", "tool_call_id": "c"}]}, _CHAT, "messages",
+     "'messages[0].tool_call_id'"),
+])
+def test_fields_outside_the_api_are_refused_naming_them(body, chats, param, name):
+    for chat, base in _bases(chats):
+        with pytest.raises(_BadRequest) as err:
+            parse_request({**base, **body}, chat)
+        assert err.value.status == 400 and err.value.param == param
+        assert err.value.code == "unknown_parameter"
+        assert f"unknown field {name}: not supported by this server" == str(err.value)
+
+
 def test_ring_failures_map_to_statuses():
     """What a client sees for each failure class the head tells apart."""
     assert _failure(RequestError("too long", "prompt")) == (400, "invalid_request_error",
@@ -369,6 +485,15 @@ def test_errors_have_openais_shape(server):
         client.chat.completions.create(model=model, messages=[{"role": "robot",
                                                                "content": "hi"}])
     assert e.value.param == "messages"
+    # Never accepted and ignored: an unimplemented field or endpoint names itself.
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                       tools=[{"type": "function", "function": {"name": "f"}}])
+    assert e.value.param == "tools" and e.value.code == "unsupported_parameter"
+    assert "'tools' is not supported by this server" in e.value.body["message"]
+    with pytest.raises(openai.NotFoundError) as e:
+        client.embeddings.create(model=model, input="hi")
+    assert "POST /v1/embeddings is not supported by this server" in e.value.body["message"]
     shape = {"message", "type", "param", "code"}
     for method, path, body, want in [
             ("POST", "/v1/chat/completions", b"{not json", 400),
@@ -377,6 +502,8 @@ def test_errors_have_openais_shape(server):
             ("POST", "/v1/completions", {"prompt": "x", "top_k": -1}, 400),
             ("POST", "/v1/chat/completions", {"messages": [{"role": "user"}]}, 400),
             ("GET", "/v1/nowhere", None, 404),
+            ("POST", "/v1/completions", {"prompt": "x", "logprobs": 2}, 400),
+            ("POST", "/v1/images/generations", {"prompt": "x"}, 404),
             ("GET", "/v1/completions", None, 405)]:
         status, got = http(method, server.base + path, body)
         assert status == want, (path, got)
@@ -526,7 +653,8 @@ def test_hung_up_clients_stop_their_generation(server, alone):
     request still queued when its client leaves is skipped."""
     base = server.base
     _, before = http("GET", base + "/health")
-    long = {"prompt": "1, 2, 3, 4, 5, 6, 7, 8,", "max_tokens": 1000, "temperature": 0}
+    sampling = {"max_tokens": 1000, "temperature": 0}
+    long = {"prompt": "1, 2, 3, 4, 5, 6, 7, 8,", **sampling}
     # Streaming: hang up after the first piece.
     sock = _raw_post(base, "/v1/completions", {**long, "stream": True})
     got = b""
@@ -538,7 +666,7 @@ def test_hung_up_clients_stop_their_generation(server, alone):
     served = _raw_post(base, "/v1/completions", long)
     _wait_health(base, lambda h: h["serving"] == 1, "the plain request is served")
     queued = _raw_post(base, "/v1/chat/completions",
-                       {"messages": [{"role": "user", "content": CHAT[0]}], **long})
+                       {"messages": [{"role": "user", "content": CHAT[0]}], **sampling})
     _wait_health(base, lambda h: h["queued"] == 1, "the second request is queued")
     queued.close()
     served.close()

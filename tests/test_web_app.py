@@ -1,8 +1,9 @@
 """The server app without a browser or the real model: the ASGI app of `edgespec serve`
 (FastAPI's TestClient drives it in-process) over a real in-process ring of a tiny float32
 model. Checks what the page and API clients rely on: the key on every endpoint, the page's
-files, /v1/ring's snapshot and generation records, and a speculative mode the ring cannot
-run refused as the caller's mistake."""
+files, /v1/ring's snapshot and generation records, a speculative mode the ring cannot
+run refused as the caller's mistake, and unimplemented fields and endpoints refused in
+OpenAI's error shape."""
 
 from __future__ import annotations
 
@@ -74,6 +75,39 @@ def test_a_mode_the_ring_cannot_run_is_the_callers_400(base):
     assert client.get("/v1/ring").json()["modes"] == ["auto", "none"]
     assert TestClient(create_app(base, "tiny")).get("/v1/ring").json()["modes"] == [
         "auto", "none", "sync", "flow"]
+
+
+def test_unimplemented_fields_and_endpoints_are_refused_in_openais_shape(base):
+    """A field or endpoint the server does not implement is an OpenAI error naming it; the
+    neutral values clients send by default are served."""
+    client = TestClient(create_app(base, "tiny"))
+    hi = [{"role": "user", "content": "hi"}]
+    r = client.post("/v1/chat/completions", json={"messages": hi, "logprobs": True})
+    assert r.status_code == 400, r.text
+    assert r.json() == {"error": {
+        "message": "'logprobs' is not supported by this server: send false or leave it out",
+        "type": "invalid_request_error", "param": "logprobs", "code": "unsupported_parameter"}}
+    r = client.post("/v1/completions", json={"prompt": "hello", "min_p": 0.1})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"] == {"message": "unknown field 'min_p': not supported by this server",
+                                 "type": "invalid_request_error", "param": "min_p",
+                                 "code": "unknown_parameter"}
+    r = client.post("/v1/chat/completions", json={
+        "messages": hi, "max_tokens": 2, "n": 1, "frequency_penalty": 0, "presence_penalty": 0,
+        "logit_bias": {}, "logprobs": False, "tool_choice": "none",
+        "response_format": {"type": "text"}, "user": "u"})
+    assert r.status_code == 200, r.text
+    for method, path in [("POST", "/v1/embeddings"), ("POST", "/v1/images/generations"),
+                         ("POST", "/v1/audio/transcriptions"), ("GET", "/v1/files"),
+                         ("POST", "/v1/responses"), ("GET", "/v1/models/tiny")]:
+        r = client.request(method, path, json={"input": "x"})
+        assert r.status_code == 404, (path, r.text)
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and err["code"] == "unsupported_endpoint"
+        assert err["message"].startswith(f"{method} {path} is not supported by this server")
+    # Routes that exist keep their own answers.
+    assert client.get("/web/nothing.js").json()["error"]["message"] == "no such file: nothing.js"
+    assert client.get("/v1/chat/completions").status_code == 405
 
 
 def test_api_key_on_every_endpoint(base):

@@ -6,13 +6,18 @@ chunk), usage counts, stop sequences and errors in OpenAI's shape
 (``{"error": {"message", "type", "param", "code"}}``) for every status, including 404s.
 
 Every request field is checked before the ring sees it (pydantic models in ``requests``): a value
-the ring would refuse (``top_p: 0``, ``temperature: 3``, ``n: 2``) is a 400 naming the field, so a
-caller's mistake never reaches a stage. Failures during a generation map to statuses by what
-they mean (``edgespec.errors``): ``RequestError`` 400, ``StageFailure`` 500 with the stage's
-message, ``RingBusy`` 503 naming the head that holds the ring, ``NodeLost``/``RingError`` (a
-recovery that did not succeed) 503. The ring keeps serving after each. A body over
-``max_body`` bytes (4 MiB by default) is refused with 413 from its ``Content-Length`` before it
-is read; tokenization runs off the event loop, so a huge prompt never stalls ``/health``.
+the ring would refuse (``top_p: 0``, ``temperature: 3``) is a 400 naming the field, so a
+caller's mistake never reaches a stage. A field is honoured or refused, never ignored: an
+OpenAI field this server does not implement (``tools``, ``logprobs``, ``n: 2``) is a 400 naming
+it unless it holds the value that asks for nothing (``n: 1``, ``frequency_penalty: 0``), and a
+field outside the API is a 400 too. An OpenAI endpoint it does not implement
+(``/v1/embeddings``, images, audio) is a 404 in the same shape naming the endpoint. Failures
+during a generation map to statuses by what they mean (``edgespec.errors``): ``RequestError``
+400, ``StageFailure`` 500 with the stage's message, ``RingBusy`` 503 naming the head that
+holds the ring, ``NodeLost``/``RingError`` (a recovery that did not succeed) 503. The ring
+keeps serving after each. A body over ``max_body`` bytes (4 MiB by default) is refused with
+413 from its ``Content-Length`` before it is read; tokenization runs off the event loop, so a
+huge prompt never stalls ``/health``.
 
 Model names: the served name, the ring's model (the GGUF file's stem), and the ``aliases``
 (e.g. the registry name given to ``--model``, and a path's file name and stem) are all this
@@ -139,6 +144,9 @@ def _slots(ring: Ring) -> list[dict[str, Any]]:
     return [dict(s) for s in ring.slots()]
 
 
+#: What a request for an endpoint this server does not have is told it serves instead.
+SERVED_ENDPOINTS = "POST /v1/chat/completions, POST /v1/completions and GET /v1/models"
+
 #: The endpoints whose POST bodies are JSON (anything else is 415).
 JSON_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/ring/rebalance")
 
@@ -191,8 +199,15 @@ def create_app(ring: Ring, model_name: str, max_queue: int = 16,
                       param=exc.param)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         # Unknown routes and wrong methods answer in OpenAI's shape too, so clients can parse it.
+        if exc.status_code == 404 and "endpoint" not in request.scope:
+            # No route matched: an OpenAI endpoint this server lacks (/v1/embeddings, images,
+            # audio, ...) is named as unsupported. 404, not 501: OpenAI clients retry a 5xx,
+            # and this answer never changes.
+            return _error(404, f"{request.method} {request.url.path} is not supported by this "
+                          f"server; it serves {SERVED_ENDPOINTS}", "invalid_request_error",
+                          code="unsupported_endpoint")
         return _error(exc.status_code, str(exc.detail), "invalid_request_error")
 
     @app.exception_handler(Exception)

@@ -1,8 +1,10 @@
 """Request bodies of the completion endpoints: every field is checked before the ring sees it
-(pydantic models), a caller's mistake is a ``_BadRequest`` naming the field."""
+(pydantic models), a caller's mistake is a ``_BadRequest`` naming the field, and so is a field
+this server does not implement (unless it holds the value that asks for nothing)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -23,23 +25,87 @@ class _BadRequest(Exception):
 
 # ------------------------------------------------------------------------- request models
 # Strict types: a number sent as a string, or true for 1, is a client bug worth reporting
-# rather than guessing at. Unknown fields are ignored, as OpenAI-compatible servers do, since
-# clients send fields such as "user" or "frequency_penalty" with neutral values.
+# rather than guessing at. A field is either honoured or refused: one this server does not
+# implement is a 400 naming it (``_NEUTRAL``), and so is one outside OpenAI's API (extra
+# "forbid"), since a setting accepted and then ignored lets the caller believe it took effect.
+# The one leniency: an unimplemented field holding the value that asks for nothing
+# (``frequency_penalty: 0``, ``n: 1``) is accepted, because clients such as the official
+# ``openai`` package and IDE plugins send those defaults with every request.
 
 _Float = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 _Int = Annotated[int, Field(strict=True)]
+_Str = Annotated[str, Field(strict=True)]
+
+
+def _is(*values: Any) -> Callable[[Any], bool]:
+    """Neutral when null or one of ``values`` of the same JSON type (``true`` is not ``1``)."""
+    return lambda v: v is None or any(type(v) is type(x) and v == x for x in values)
+
+
+#: Unimplemented fields: (is the value neutral, the neutral values for the message). Tools and
+#: functions come before their choices, so a request with tools is told about the tools.
+_NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "n": (_is(1), "1"),
+    "frequency_penalty": (_is(0, 0.0), "0"),
+    "presence_penalty": (_is(0, 0.0), "0"),
+    "logit_bias": (_is({}), "{}"),
+    "logprobs": (_is(False), "false"),
+    "top_logprobs": (_is(0), "0"),
+    "tools": (_is([]), "[]"),
+    # With no tools there is nothing to call, so "none" and "auto" both mean plain text.
+    "tool_choice": (_is("none", "auto"), '"none" or "auto"'),
+    "parallel_tool_calls": (_is(True), "true"),
+    "functions": (_is([]), "[]"),
+    "function_call": (_is("none", "auto"), '"none" or "auto"'),
+    "response_format": (_is({"type": "text"}), '{"type": "text"}'),
+    "modalities": (_is(["text"]), '["text"]'),
+    "audio": (_is(), "null"),
+    "prediction": (_is(), "null"),
+    "reasoning_effort": (_is(), "null"),
+    "verbosity": (_is(), "null"),
+    "web_search_options": (_is(), "null"),
+    "store": (_is(False), "false"),
+    # A processing tier: the default ones ask for nothing; flex or priority promise a
+    # latency or price this server does not offer.
+    "service_tier": (_is("auto", "default"), '"auto" or "default"'),
+    # Legacy completions only.
+    "best_of": (_is(1), "1"),
+    "echo": (_is(False), "false"),
+    "suffix": (_is(""), '""'),
+}
+
+#: The same for a chat message's own fields (those of assistant turns that called tools, a
+#: participant's name the model would be shown).
+_MESSAGE_NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "name": (_is(), "null"),
+    "tool_calls": (_is([]), "[]"),
+    "function_call": (_is(), "null"),
+    "refusal": (_is(), "null"),
+    "audio": (_is(), "null"),
+}
+
+#: And for ``stream_options``: the stream is never padded, so only false is honoured.
+_STREAM_OPTIONS_NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "include_obfuscation": (_is(False), "false"),
+}
 
 
 class _TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     type: Literal["text"]
-    text: Annotated[str, Field(strict=True)]
+    text: _Str
 
 
 class _Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant"]
-    content: Annotated[str, Field(strict=True)] | list[_TextPart]
+    content: _Str | list[_TextPart]
+    # Unimplemented (``_MESSAGE_NEUTRAL``): Any, so any value reaches the refusal naming it.
+    name: Any = None
+    tool_calls: Any = None
+    function_call: Any = None
+    refusal: Any = None
+    audio: Any = None
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -48,15 +114,16 @@ class _Message(BaseModel):
 
 
 class _StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     include_usage: Annotated[bool, Field(strict=True)] = False
+    include_obfuscation: Any = None
 
 
 class _Sampling(BaseModel):
     """The fields both endpoints share. ``None`` means "the default", as OpenAI treats null."""
 
-    model_config = ConfigDict(extra="ignore")
-    model: Annotated[str, Field(strict=True)] | None = None
+    model_config = ConfigDict(extra="forbid")
+    model: _Str | None = None
     max_tokens: Annotated[_Int, Field(ge=1, le=1 << 20)] | None = None
     # Newer clients send max_completion_tokens (chat); it means the same here.
     max_completion_tokens: Annotated[_Int, Field(ge=1, le=1 << 20)] | None = None
@@ -65,26 +132,59 @@ class _Sampling(BaseModel):
     top_k: Annotated[_Int, Field(ge=0, le=(1 << 31) - 1)] | None = None
     # Any 64-bit seed, signed or not; the sampler takes it modulo 2**64.
     seed: Annotated[_Int, Field(ge=-(1 << 63), le=(1 << 64) - 1)] | None = None
-    n: Literal[1] | None = None
-    stop: (Annotated[str, Field(strict=True)]
-           | Annotated[list[Annotated[str, Field(strict=True)]], Field(max_length=4)]
-           | None) = None
+    stop: _Str | Annotated[list[_Str], Field(max_length=4)] | None = None
     stream: Annotated[bool, Field(strict=True)] | None = None
     stream_options: _StreamOptions | None = None
     # edgespec's own: the speculative mode for this request (the web page's control).
     spec: Literal[SPEC_MODES] | None = None  # type: ignore[valid-type]
     # As llama-server and vLLM take it: go on past end-of-generation to max_tokens (benchmarks).
     ignore_eos: Annotated[bool, Field(strict=True)] | None = None
+    # An end-user id for the provider's abuse monitoring: it asks nothing of the generation,
+    # so any server may take it and do nothing with it.
+    user: _Str | None = None
+    # Unimplemented (``_NEUTRAL``): Any, so any value reaches the refusal naming the field.
+    n: Any = None
+    frequency_penalty: Any = None
+    presence_penalty: Any = None
+    logit_bias: Any = None
 
 
 class _ChatRequest(_Sampling):
     messages: Annotated[list[_Message], Field(min_length=1)]
+    # Informational, like ``user``: the successor of ``user`` for abuse monitoring, tags for
+    # OpenAI's dashboard, and a hint for which cache to route to (this server's cache is the
+    # slot's own history, kept without a hint). None of them changes an answer.
+    safety_identifier: _Str | None = None
+    metadata: dict[_Str, _Str] | None = None
+    prompt_cache_key: _Str | None = None
+    # Unimplemented (``_NEUTRAL``).
+    logprobs: Any = None
+    top_logprobs: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    store: Any = None
+    service_tier: Any = None
 
 
 class _CompletionRequest(_Sampling):
     prompt: (Annotated[str, Field(strict=True, min_length=1)]
              | Annotated[list[Annotated[str, Field(strict=True, min_length=1)]],
                          Field(min_length=1, max_length=1)])
+    # Unimplemented (``_NEUTRAL``).
+    logprobs: Any = None
+    best_of: Any = None
+    echo: Any = None
+    suffix: Any = None
 
     def text(self) -> str:
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
@@ -98,7 +198,6 @@ _FIELD_HELP = {
     "seed": "'seed' must be a 64-bit integer",
     "max_tokens": "'max_tokens' must be an integer >= 1",
     "max_completion_tokens": "'max_completion_tokens' must be an integer >= 1",
-    "n": "only n=1 is supported",
     "stop": "'stop' must be a string or a list of up to 4 strings",
     "messages": "'messages' must be a non-empty list of {role, content} with role system, "
                 "user or assistant and text content",
@@ -108,28 +207,69 @@ _FIELD_HELP = {
     "model": "'model' must be a string",
     "spec": f"'spec' must be one of {', '.join(SPEC_MODES)}",
     "ignore_eos": "'ignore_eos' must be true or false",
+    "user": "'user' must be a string",
+    "safety_identifier": "'safety_identifier' must be a string",
+    "metadata": "'metadata' must be an object of string values",
+    "prompt_cache_key": "'prompt_cache_key' must be a string",
 }
+
+
+def _path(loc: tuple[int | str, ...]) -> str:
+    """A field's place as the caller wrote it (``messages[0].name``), without pydantic's
+    union-branch labels (``list[_TextPart]``)."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part.isidentifier():
+            out += f".{part}" if out else part
+    return out
+
+
+def _refuse_unsupported(model: BaseModel, neutral: dict[str, tuple[Callable[[Any], bool], str]],
+                        where: str = "", param: str | None = None) -> None:
+    """``_BadRequest`` for the first unimplemented field of ``model`` that asks for something."""
+    for name, (ok, accepted) in neutral.items():
+        if name in type(model).model_fields and not ok(getattr(model, name)):
+            fix = "leave it out" if accepted == "null" else f"send {accepted} or leave it out"
+            raise _BadRequest(f"'{where}{name}' is not supported by this server: {fix}",
+                              param or name, code="unsupported_parameter")
 
 
 def parse_request(body: bytes | dict[str, Any], chat: bool) -> _ChatRequest | _CompletionRequest:
     """Validate a request body (raw JSON or already parsed); ``_BadRequest`` naming the first
-    offending field otherwise."""
+    offending field otherwise: a malformed value, a field outside the API, or one this server
+    does not implement sent with a value that asks for something."""
     model = _ChatRequest if chat else _CompletionRequest
     try:
         if isinstance(body, (bytes, bytearray)):
-            return model.model_validate_json(body)
-        return model.model_validate(body)
+            req = model.model_validate_json(body)
+        else:
+            req = model.model_validate(body)
     except ValidationError as exc:
-        first = exc.errors(include_url=False)[0]
+        errs = exc.errors(include_url=False)
+        # An unknown field first: inside a union (a message's content) pydantic lists the
+        # other branch's complaint before it, which would not name the field.
+        first = next((e for e in errs if e["type"] == "extra_forbidden"), errs[0])
         if first["type"] == "json_invalid":
             raise _BadRequest("request body is not valid JSON") from None
         loc = first["loc"]
         if not loc:
             raise _BadRequest("request body must be a JSON object") from None
         param = str(loc[0])
+        if first["type"] == "extra_forbidden":
+            raise _BadRequest(f"unknown field '{_path(loc)}': not supported by this server",
+                              param, code="unknown_parameter") from None
         if first["type"] == "missing":
             raise _BadRequest(f"'{param}' is required", param) from None
         raise _BadRequest(_FIELD_HELP.get(param, f"'{param}': {first['msg']}"), param) from None
+    _refuse_unsupported(req, _NEUTRAL)
+    if req.stream_options is not None:
+        _refuse_unsupported(req.stream_options, _STREAM_OPTIONS_NEUTRAL, "stream_options.",
+                            "stream_options")
+    for i, m in enumerate(getattr(req, "messages", ())):
+        _refuse_unsupported(m, _MESSAGE_NEUTRAL, f"messages[{i}].", "messages")
+    return req
 
 
 def generation_params(req: _Sampling | dict[str, Any], default_max_tokens: int
