@@ -11,17 +11,15 @@ import gguf
 import pytest
 from tinygguf import make_tiny_gguf
 
-from edgespec.head.planner import (
-    RESERVE,
+from edgespec.head.memory import (
     TREE_ROWS,
     WINDOW_OVERHEAD,
-    NodeProfile,
     ends_need,
     logits_bytes,
     model_memory,
-    plan_ring,
     window_need,
 )
+from edgespec.head.planner import RESERVE, NodeProfile, plan_ring
 from edgespec.llm import llamacpp
 from edgespec.llm.shards import shard_model
 from edgespec.node.runtime import StageRuntime

@@ -271,7 +271,7 @@ def test_a_window_holds_each_weight_once(real_model_path, tmp_path):
     repacked is held once (the copy), what it reads in place comes back from the file, and the
     token embeddings cost only the rows read. Against the window read into memory: never
     more, and the first window holds less by most of its embeddings."""
-    from edgespec.head.planner import model_memory
+    from edgespec.head.memory import model_memory
     from edgespec.llm.shards import cut_window
 
     embd = model_memory(real_model_path).embd_bytes

@@ -113,7 +113,7 @@ def test_a_device_capped_near_its_window_cuts_profiles_and_runs_it(lab_ok, real_
                                                                   tmp_path, window):
     """Capped at 1.3x what the planner counts for the window (the process itself included),
     a device profiles, cuts the window and runs it at the ring's n_ctx and sequences."""
-    from edgespec.head.planner import model_memory, window_need
+    from edgespec.head.memory import model_memory, window_need
 
     a, b = window
     need = window_need(model_memory(real_model_path), a, b, n_ctx=4096, n_seq_max=256)

@@ -33,8 +33,8 @@ from edgespec.head.addresses import pick_address
 from edgespec.head.build import build_head
 from edgespec.head.config import HeadConfig
 from edgespec.head.formation import form_ring
+from edgespec.head.memory import ModelMemory
 from edgespec.head.planner import (
-    ModelMemory,
     NodeProfile,
     PlanError,
     fit_plan,

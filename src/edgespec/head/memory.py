@@ -1,0 +1,152 @@
+"""What a layer window of a model holds in a node's memory, as the planner counts it against the
+node's free memory (``window_need``, the ends' share ``ends_need``; measured against real
+windows in docs/experiments.md 13).
+
+Per layer from the GGUF itself (:func:`model_memory`): a block's own tensors (so
+mixture-of-experts blocks, whose experts are most of the model, weigh what they weigh, and
+leading dense blocks little), and the KV cache each layer keeps per token: keys and values per
+KV head, or for multi-head latent attention (deepseek2) one compressed latent plus its rope part
+and no separate values."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+_KV_BYTES = 2  # f16 cache cells, llama.cpp's default type_k / type_v
+
+#: What a window takes beyond its weights and KV cache: llama.cpp's compute buffers as a
+#: prefill touches them, the node's buffers for one batch. Measured on the 1.5B's middle window
+#: of 9 layers at n_ctx 4096 (``bench/device_memory.py``: peak resident, anonymous and file
+#: pages, after a 300-row prefill, a 64-row tree and 5 decodes, less the idle process's 44 MiB,
+#: less weights and KV): 88 MiB. The node's idle process is used memory already when it
+#: reports what is free. The windows with the real vocabulary hold more (``ends_need``).
+WINDOW_OVERHEAD = 96 << 20
+
+#: Logits rows of the last window's largest verification batch (a tree of the largest budget,
+#: ``CostModel.BUDGETS``, and its root): written, so resident, once a tree is verified.
+TREE_ROWS = 64
+
+
+def logits_bytes(memory: ModelMemory, n_seq_max: int) -> int:
+    """The logits buffer of a context with the model's vocabulary: llama.cpp reserves and
+    clears ``n_vocab`` floats for ``n_seq_max`` outputs when the context is made (148 MiB for
+    Qwen2.5's vocabulary at 256 sequences), also in a first window, which never computes
+    logits; the node gives the pages back before its first decode
+    (``Context.release_output_reserve``)."""
+    return 4 * memory.n_vocab * n_seq_max
+
+
+def ends_need(memory: ModelMemory, first: bool, last: bool, n_seq_max: int) -> int:
+    """What a window holding an end of the model takes beyond its layers and
+    ``WINDOW_OVERHEAD``. Model files are mapped and their pages released once loaded
+    (``llamacpp.load_model``), so token embeddings cost only the rows a window reads, and a last
+    window's unused embeddings nothing. Each end holds a head: the last one reads it every step
+    (the embeddings' repacked copy when they are tied), the first one holds the repacked copy
+    llama.cpp makes of the embeddings when its file has no head (or its own head, with
+    ``head_on_first``). The logits buffer llama.cpp clears at creation is resident before any
+    compute buffer is touched, so it counts beyond ``WINDOW_OVERHEAD`` only where it is bigger;
+    the last window also writes the logits of a tree. Measured peaks of the 1.5B's first and
+    last windows (10 and 9 layers, 256 sequences): 604 and 664 MiB against 633 and 688
+    counted, the idle process's 44 MiB included."""
+    if not (first or last):
+        return 0
+    if last:
+        head = memory.head_bytes or memory.embd_bytes
+    else:
+        head = memory.head_bytes if memory.head_on_first else memory.embd_bytes
+    need = head + max(0, logits_bytes(memory, n_seq_max) - WINDOW_OVERHEAD)
+    if last:
+        need += logits_bytes(memory, min(TREE_ROWS, n_seq_max))
+    return need
+
+
+def window_need(memory: ModelMemory, a: int, b: int, n_ctx: int, n_seq_max: int) -> int:
+    """What a loaded window ``[a, b)`` takes, as the planner counts it against a node's free
+    memory: weights, KV cache, llama.cpp's buffers, and what the ends hold (``ends_need``)."""
+    layers = sum(memory.layer_bytes(i, n_ctx) for i in range(a, b))
+    return (layers + WINDOW_OVERHEAD
+            + ends_need(memory, a == 0, b == memory.n_layer, n_seq_max))
+
+
+@dataclass(frozen=True)
+class ModelMemory:
+    """Bytes a layer window of one model needs (see :func:`model_memory`)."""
+
+    layer_weights: list[int]  # bytes of each block's tensors
+    kv_per_token: list[int]  # KV cache bytes per layer per context cell
+    embd_bytes: int  # token embeddings, held by the first and the last window
+    head_bytes: int  # output norm and head (none with tied embeddings), held by the last window
+    head_on_first: bool = False  # the architecture wants a head in every file (gpt-oss)
+    n_vocab: int = 0  # the last window's logits buffer: n_vocab floats per sequence
+
+    @property
+    def n_layer(self) -> int:
+        return len(self.layer_weights)
+
+    def layer_bytes(self, i: int, n_ctx: int) -> int:
+        """Weights plus KV cache of layer ``i`` at ``n_ctx`` cells."""
+        return self.layer_weights[i] + self.kv_per_token[i] * n_ctx
+
+    def window_bytes(self, a: int, b: int, n_ctx: int) -> int:
+        """A window's weights, KV cache, and the embeddings / head when it holds the ends."""
+        total = sum(self.layer_bytes(i, n_ctx) for i in range(a, b))
+        first, last = a == 0, b == self.n_layer
+        if first or last:
+            total += self.embd_bytes
+        if last or (first and self.head_on_first):
+            total += self.head_bytes
+        return total
+
+
+def model_memory(path: str | Path) -> ModelMemory:
+    """Per-layer memory of a full GGUF model, read from its tensor directory and metadata.
+
+    The KV cache of a layer stores, per cell, ``key_length * n_head_kv`` key and
+    ``value_length * n_head_kv`` value elements (per-layer head counts honoured); with
+    multi-head latent attention (``attention.key_length_mla`` present) llama.cpp caches only
+    the latent keys (``kv_lora_rank + rope dims``; values are a view of them). Sliding-window
+    layers are counted at full size: edgespec's contexts keep llama.cpp's full-size SWA cache.
+    """
+    import re
+
+    from edgespec.llm.architectures import ARCHITECTURES
+    from edgespec.llm.gguf_read import open_gguf
+
+    with open_gguf(path) as h:
+        arch, n_layer, n_embd, n_vocab = h.dims()
+        weights = [0] * n_layer
+        embd = head = 0
+        for t in h.tensors:
+            m = re.match(r"^blk\.(\d+)\.", t.name)
+            if m:
+                i = int(m.group(1))
+                if i < n_layer:
+                    weights[i] += t.nbytes
+            elif t.name == "token_embd.weight":
+                embd = t.nbytes
+            elif t.name.startswith("output"):
+                head += t.nbytes
+
+        def per_layer(key: str, default: int) -> list[int]:
+            v = h.get(f"{arch}.{key}")
+            if isinstance(v, list) and len(v) >= n_layer:
+                return [int(x) for x in v[:n_layer]]
+            return [int(v) if isinstance(v, int) else default] * n_layer
+
+        n_head = per_layer("attention.head_count", 1)
+        n_head_kv = per_layer("attention.head_count_kv", 0)
+        n_head_kv = [kv or q for kv, q in zip(n_head_kv, n_head, strict=True)]
+        if h.get(f"{arch}.attention.key_length_mla") is not None:
+            rank = int(h.get(f"{arch}.attention.kv_lora_rank") or 0)
+            rope = int(h.get(f"{arch}.rope.dimension_count") or 0)
+            kv = [(rank + rope) * _KV_BYTES] * n_layer
+        else:
+            kv = []
+            for i in range(n_layer):
+                k_len = h.get(f"{arch}.attention.key_length") or n_embd // max(1, n_head[i])
+                v_len = h.get(f"{arch}.attention.value_length") or k_len
+                kv.append((int(k_len) + int(v_len)) * n_head_kv[i] * _KV_BYTES)
+        handling = ARCHITECTURES.get(arch)
+    return ModelMemory(weights, kv, embd, head, bool(handling and handling.head_required),
+                       int(n_vocab))
