@@ -21,14 +21,8 @@ import numpy as np
 
 from edgespec.batch import Batch
 from edgespec.errors import NodeLost, RingBusy, RingError
-from edgespec.head.planner import (
-    NodeProfile,
-    Plan,
-    PlanError,
-    fit_plan,
-    model_memory,
-    ring_order,
-)
+from edgespec.head.memory import model_memory
+from edgespec.head.planner import NodeProfile, Plan, PlanError, fit_plan, ring_order
 from edgespec.head.remote import (
     CONNECT_TIMEOUT_S,
     DEAD_AFTER_S,
