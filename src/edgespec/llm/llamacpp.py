@@ -195,16 +195,11 @@ class Model(Closing):
 
 
 def mmap_default() -> bool:
-    """Whether to map model files (then release what the window does not read, see
-    :func:`load_model`). Mapped and released, a window holds each weight once: the copies
-    llama.cpp repacks for the CPU, and from the file only what it reads (norms, weights kept in
-    the file's layout, the embedding rows of its tokens, the last window's head), never the
-    token embeddings of a last window. The 1.5B (Q4_K_M, repacked)
-    split 3 ways at n_ctx 4096 and 256 sequences, after a 300-row prefill, a 64-row tree and 5
-    decodes: first / middle / last window peak at 604 / 405 / 663 MiB mapped and released
-    against 814 / 406 / 832 read into memory, and load in 0.68 / 0.32 / 0.54 s against 1.12 /
-    0.27 / 1.34 s; the unsplit model 1243 against 1420 MiB (``bench/device_memory.py``).
-    ``EDGESPEC_MMAP=0`` reads the file into llama.cpp's buffers instead; ``=1`` maps it."""
+    """Whether to map model files (then give back what the window does not read,
+    :func:`load_model`): each weight is held once, the copies llama.cpp repacks for the CPU
+    and from the file only what is read in place. The 1.5B split 3 ways peaked at 604 / 405 /
+    663 MiB mapped against 814 / 406 / 832 read, loading 2x faster at the ends
+    (docs/experiments.md 13). ``EDGESPEC_MMAP=0`` reads the file instead; ``=1`` maps it."""
     env = os.environ.get("EDGESPEC_MMAP", "")
     if env in ("0", "1"):
         return env == "1"
