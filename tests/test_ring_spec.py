@@ -80,6 +80,31 @@ def test_retrieval_drafting_matches_none(ring2, none_outputs, mode, real_model_p
     assert accepted_more, "retrieval drafts were never accepted, even on the repetitive prompt"
 
 
+def test_logit_bias_is_the_target_in_every_mode(ring2, none_outputs, real_model_path):
+    """The last stage adds the bias before each draw, so drafts are verified against the biased
+    target: a banned token never comes, in any mode, and the modes agree; a forced token is
+    every token (the repetitive prompt, where retrieval drafts do get accepted)."""
+    prompt = PROMPTS[3]
+    ids = ring2.tokenizer.encode(prompt)
+    banned = none_outputs[3][0]
+    head = _head(ring2, RetrievalDrafter())
+    got = {}
+    for mode in ("none", "sync", "flow"):
+        head.reset()
+        got[mode] = head.generate(prompt, max_tokens=24, spec=mode,
+                                  logit_bias={banned: -100}).tokens
+        assert banned not in got[mode], mode
+    assert got["none"][0] != none_outputs[3][0]
+    for mode in ("sync", "flow"):
+        assert_same_greedy(got[mode], got["none"], real_model_path, ids, f"{mode}, banned")
+    forced = ring2.tokenizer.encode(" red", add_special=False)[0]
+    for mode in ("none", "sync", "flow"):
+        head.reset()
+        gen = head.generate(prompt, max_tokens=12, spec=mode, ignore_eos=True,
+                            logit_bias={str(forced): 100})
+        assert gen.tokens == [forced] * 12, mode
+
+
 @pytest.mark.parametrize("kind", ["model", "hybrid"])
 @pytest.mark.parametrize("mode", ["sync", "flow"])
 def test_model_drafting_matches_none(ring2, none_outputs, real_model_path, mode, kind):

@@ -133,7 +133,6 @@ UNSUPPORTED = [
     ({"frequency_penalty": 0.5}, _BOTH, "frequency_penalty", "'frequency_penalty'"),
     ({"frequency_penalty": False}, _BOTH, "frequency_penalty", "'frequency_penalty'"),
     ({"presence_penalty": -1}, _BOTH, "presence_penalty", "'presence_penalty'"),
-    ({"logit_bias": {"50256": -100}}, _BOTH, "logit_bias", "'logit_bias'"),
     ({"logprobs": True}, _CHAT, "logprobs", "'logprobs'"),
     ({"logprobs": 0}, _COMPLETION, "logprobs", "'logprobs'"),
     ({"logprobs": 5}, _COMPLETION, "logprobs", "'logprobs'"),
@@ -187,6 +186,24 @@ def test_unimplemented_fields_are_refused_naming_them(body, chats, param, name):
             assert err.value.status == 400 and err.value.param == param
             assert err.value.code == "unsupported_parameter"
             assert f"{name} is not supported by this server" in str(err.value)
+
+
+@pytest.mark.parametrize("bias, says", [
+    ({"abc": 5}, "'abc' is not a token id"), ({"-3": 5}, "'-3' is not a token id"),
+    ({"7": 101}, "logit_bias[7] must be in [-100, 100]"),
+    ({"7": "x"}, "logit_bias[7] must be a number"), ({"7": True}, "must be a number"),
+    ({str(i): 1 for i in range(301)}, "at most 300 tokens"),
+])
+def test_logit_bias_is_checked_naming_the_field(bias, says):
+    for chat, base in _bases(_BOTH):
+        with pytest.raises(_BadRequest) as err:
+            generation_params(parse_request({**base, "logit_bias": bias}, chat), 16)
+        assert err.value.status == 400 and err.value.param == "logit_bias"
+        assert says in str(err.value)
+    params = generation_params(parse_request({"prompt": "x", "logit_bias": {"7": -100,
+                                                                             "3": 2.5}}, False), 16)
+    assert params.logit_bias == ((3, 2.5), (7, -100.0))
+    assert params.sampling.bias == params.logit_bias
 
 
 @pytest.mark.parametrize("body, chats", [

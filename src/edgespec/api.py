@@ -270,6 +270,10 @@ class Ring:
         if bad:
             raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary "
                                f"0..{n_vocab - 1}", "prompt")
+        biased = [t for t, _ in params.logit_bias if n_vocab and t >= n_vocab]
+        if biased:
+            raise RequestError(f"logit_bias names token {biased[0]}, outside the vocabulary "
+                               f"0..{n_vocab - 1}", "logit_bias")
         try:  # resolved once, here: the mode the request runs as on this ring
             mode = self.engine.resolve_mode(params.spec or self.default_spec)
         except ValueError as e:

@@ -16,25 +16,64 @@ from edgespec.tree.kvop import KvOp
 
 @dataclass(frozen=True)
 class Sampling:
-    """How the last stage picks the target token of a row. temperature 0 = greedy (argmax)."""
+    """How the last stage picks the target token of a row. temperature 0 = greedy (argmax).
+    ``bias``: (token id, value) pairs added to every row's logits first (OpenAI's
+    ``logit_bias``), so the target distribution, and with it every mode's output, includes
+    them."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    bias: tuple[tuple[int, float], ...] = ()
+
+    #: The largest bias magnitude (OpenAI's range): -100 bans a token, +100 forces it.
+    MAX_BIAS = 100.0
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
 
     def as_meta(self) -> dict:
-        return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p,
+        meta = {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p,
                 "seed": self.seed}
+        if self.bias:
+            meta["logit_bias"] = [[t, v] for t, v in self.bias]
+        return meta
 
     @classmethod
     def from_meta(cls, meta: dict) -> Sampling:
+        bias = meta.get("logit_bias", [])
+        if not isinstance(bias, list) or len(bias) > MAX_BIASED_TOKENS:
+            raise ValueError(f"META.sampling.logit_bias must be a list of at most "
+                             f"{MAX_BIASED_TOKENS} [token, value] pairs")
+        pairs = []
+        for pair in bias:
+            if (not isinstance(pair, list) or len(pair) != 2 or type(pair[0]) is not int
+                    or type(pair[1]) not in (int, float) or not pair[0] >= 0
+                    or not abs(pair[1]) <= cls.MAX_BIAS):
+                raise ValueError(f"META.sampling.logit_bias: bad pair {pair!r}")
+            pairs.append((pair[0], float(pair[1])))
         return cls(float(meta.get("temperature", 0.0)), int(meta.get("top_k", 0)),
-                   float(meta.get("top_p", 1.0)), int(meta.get("seed", 0)))
+                   float(meta.get("top_p", 1.0)), int(meta.get("seed", 0)), tuple(pairs))
+
+    def biased(self, logits: np.ndarray) -> np.ndarray:
+        """``logits`` (rows x vocabulary) with the bias added, as a new float32 array; the
+        logits themselves where there is no bias. ValueError names a token outside the
+        vocabulary."""
+        if not self.bias:
+            return logits
+        ids = np.fromiter((t for t, _ in self.bias), np.int64, len(self.bias))
+        if int(ids.max()) >= logits.shape[-1]:
+            raise ValueError(f"logit_bias names token {int(ids.max())}, outside the "
+                             f"vocabulary of {logits.shape[-1]} tokens")
+        out = np.array(logits, dtype=np.float32, copy=True)
+        out[..., ids] += np.fromiter((v for _, v in self.bias), np.float32, len(self.bias))
+        return out
+
+
+#: Tokens one request may bias (OpenAI allows 300): the list rides in every batch's META.
+MAX_BIASED_TOKENS = 300
 
 
 class SeqIds:

@@ -11,11 +11,11 @@ and the names of the speculative modes (``edgespec.head.engine.registry``).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from edgespec.batch import Sampling
+from edgespec.batch import MAX_BIASED_TOKENS, Sampling
 from edgespec.errors import RequestError
 from edgespec.head.engine.registry import SPEC_MODES
 
@@ -26,6 +26,39 @@ def _number(name: str, value: Any, kind: type) -> Any:
     if kind is int and value != int(value):
         raise RequestError(f"{name} must be an integer, got {value!r}", name)
     return kind(value)
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    if value is None:
+        return ()
+    items = value.items() if isinstance(value, Mapping) else value
+    try:
+        pairs = list(items)
+    except TypeError:
+        raise RequestError(f"logit_bias must map token ids to numbers, got {value!r}",
+                           "logit_bias") from None
+    out: dict[int, float] = {}
+    for pair in pairs:
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise RequestError(f"logit_bias must map token ids to numbers, got {value!r}",
+                               "logit_bias")
+        token, bias = pair
+        if isinstance(token, str) and token.isdigit():
+            token = int(token)
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise RequestError(f"logit_bias: {token!r} is not a token id", "logit_bias")
+        try:
+            bias = _number(f"logit_bias[{token}]", bias, float)
+        except RequestError as e:
+            raise RequestError(str(e), "logit_bias") from None
+        if not abs(bias) <= Sampling.MAX_BIAS:
+            raise RequestError(f"logit_bias[{token}] must be in [-100, 100], got {bias}",
+                               "logit_bias")
+        out[token] = bias
+    if len(out) > MAX_BIASED_TOKENS:
+        raise RequestError(f"logit_bias may name at most {MAX_BIASED_TOKENS} tokens, got "
+                           f"{len(out)}", "logit_bias")
+    return tuple(sorted(out.items()))
 
 
 @dataclass(frozen=True)
@@ -41,6 +74,10 @@ class GenerationParams:
     stop: tuple[str, ...] = ()
     spec: str | None = None  # None: the ring's default mode
     ignore_eos: bool = False  # go on past end-of-generation to max_tokens (benchmarks)
+    #: Added to the logits of these token ids before every draw (OpenAI's ``logit_bias``: -100
+    #: bans a token, +100 forces it); a mapping of ids (ints or their decimal strings) to
+    #: values in [-100, 100], kept as sorted (id, value) pairs.
+    logit_bias: Any = ()
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise the fields once, here
@@ -69,6 +106,7 @@ class GenerationParams:
             raise RequestError(f"spec must be one of {', '.join(SPEC_MODES)}, got "
                                f"{self.spec!r}", "spec")
         set_(self, "ignore_eos", bool(self.ignore_eos))
+        set_(self, "logit_bias", _logit_bias(self.logit_bias))
 
     @classmethod
     def of(cls, params: GenerationParams | None = None, **fields: Any) -> GenerationParams:
@@ -87,7 +125,7 @@ class GenerationParams:
     def sampling(self) -> Sampling:
         """What the last stage draws with."""
         return Sampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                        seed=self.seed)
+                        seed=self.seed, bias=self.logit_bias)
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ def pick_targets(logits: np.ndarray, pos: np.ndarray, sampling: Sampling) -> np.
     """
     from edgespec.tree import core
 
+    logits = sampling.biased(logits)
     if sampling.greedy:
         return core.argmax_rows(np.ascontiguousarray(logits, dtype=np.float32))
     verifier = core.Verifier(sampling.temperature, sampling.top_k, sampling.top_p,

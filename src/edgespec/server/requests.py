@@ -48,7 +48,6 @@ _NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "n": (_is(1), "1"),
     "frequency_penalty": (_is(0, 0.0), "0"),
     "presence_penalty": (_is(0, 0.0), "0"),
-    "logit_bias": (_is({}), "{}"),
     "logprobs": (_is(False), "false"),
     "top_logprobs": (_is(0), "0"),
     "tools": (_is([]), "[]"),
@@ -146,7 +145,9 @@ class _Sampling(BaseModel):
     n: Any = None
     frequency_penalty: Any = None
     presence_penalty: Any = None
-    logit_bias: Any = None
+    # Token ids (decimal strings, as JSON keys are) to values in [-100, 100]; checked by
+    # GenerationParams, which names the field.
+    logit_bias: dict[_Str, Any] | None = None
 
 
 class _ChatRequest(_Sampling):
@@ -288,7 +289,7 @@ def generation_params(req: _Sampling | dict[str, Any], default_max_tokens: int
             top_k=0 if req.top_k is None else req.top_k,
             seed=0 if req.seed is None else req.seed,
             stop=(stop,) if isinstance(stop, str) else tuple(stop),
-            spec=req.spec, ignore_eos=bool(req.ignore_eos))
+            spec=req.spec, ignore_eos=bool(req.ignore_eos), logit_bias=req.logit_bias)
     except RequestError as e:
         raise _BadRequest(str(e), e.param) from None
 
