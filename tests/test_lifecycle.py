@@ -199,7 +199,7 @@ def test_restarted_node_rejoins_on_rebalance(tiny, key_file, three, prompt, refe
     assert res.returncode == 0, res.stdout + res.stderr
     assert "3 stage(s) over 3 node(s)" in res.stdout
     status = _status(key_file, home)
-    assert "plan in force: 3 stage(s) on 3 node(s)" in status
+    assert "plan in force: 3 stage(s) on 3 node(s), 256 sequences per context" in status
     assert status.count("  loaded") == 3, status
     with Ring.attach(key=str(key_file), spec="none") as ring:
         assert ring.chain.n_stages == 3

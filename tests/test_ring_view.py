@@ -58,6 +58,8 @@ def test_ring_status_json_and_v1_ring_agree(tmp_path, monkeypatch):
     # Same content, as far as it does not move between two probes (memory, round trips).
     assert status["model"] == served["model"] == "tiny"
     assert status["n_ctx"] == served["n_ctx"] == 512
+    # The tiny ring has room for every sequence: nothing gave way.
+    assert status["sequences"] == served["sequences"] == state.n_seq_max == 256
     assert status["status"] == served["status"] == "up"
     keep = ("stage", "layers", "node", "address", "alive", "backend")
     assert [{k: s[k] for k in keep} for s in status["stages"]] == \

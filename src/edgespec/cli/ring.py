@@ -128,7 +128,8 @@ def _ring_status(args: argparse.Namespace) -> int:
     nodes_in = sum(1 for r in rows if not r.left)
     holders = {r.holder["id"]: r.holder for r in rows if r.holder}
     print(f"model: {state.model}")
-    print(f"plan in force: {len(state.windows)} stage(s) on {nodes_in} node(s)"
+    print(f"plan in force: {len(state.windows)} stage(s) on {nodes_in} node(s), "
+          f"{state.n_seq_max} sequences per context"
           + (f"; held by {', '.join(describe_holder(h) for h in holders.values())}"
              if holders else "; no head attached"))
     print(f"{'node':<16} {'address':<22} {'layers':<12} {'free RAM':>9} {'RTT ms':>7}  state")

@@ -92,6 +92,8 @@ class RingView:
     # where no head (or server) was asked.
     parallel: int | None = None
     slots: list[dict[str, Any]] | None = None
+    # Sequences every stage's context holds (the plan's choice, ``planner.fit_plan``).
+    sequences: int | None = None
     time: float = field(default_factory=time.time)
 
     def to_dict(self) -> dict[str, Any]:
@@ -99,6 +101,7 @@ class RingView:
                 "drafter": self.drafter, "modes": self.modes, "status": self.status, "message": self.message,
                 "hint": self.hint, "recoveries": list(self.recoveries), "time": self.time,
                 "lap_timing": self.lap_timing, "parallel": self.parallel,
+                "sequences": self.sequences,
                 "slots": None if self.slots is None else [dict(s) for s in self.slots],
                 "stages": [asdict(s) for s in self.stages],
                 "nodes": [n.to_dict() for n in self.nodes]}
@@ -199,7 +202,10 @@ def view_of_state(state: RingState, key: bytes, timeout: float = 5.0) -> RingVie
             healths[index] = health
         rows.append(row)
     alive = [i in healths for i in range(len(state.nodes))]
-    return _assemble(Path(state.model).stem, state.n_ctx, state.windows, rows, healths, alive, False)
+    view = _assemble(Path(state.model).stem, state.n_ctx, state.windows, rows, healths, alive,
+                     False)
+    view.sequences = state.n_seq_max
+    return view
 
 
 def view_of_chain(chain: Any, model: str, n_ctx: int, *, probe: bool = True,
@@ -213,7 +219,7 @@ def view_of_chain(chain: Any, model: str, n_ctx: int, *, probe: bool = True,
         runtimes = getattr(getattr(chain, "worker", None), "runtimes", [])
         stages = [StageView(i, list(getattr(rt, "layer_range", (0, 0))), "this process",
                             None, True) for i, rt in enumerate(runtimes)]
-        return RingView(model, n_ctx, stages, [])
+        return RingView(model, n_ctx, stages, [], sequences=getattr(chain, "n_seq_max", None))
     healths: dict[int, dict] = {}
     rows = []
     for i, m in enumerate(members):
@@ -236,4 +242,5 @@ def view_of_chain(chain: Any, model: str, n_ctx: int, *, probe: bool = True,
                      can_recover)
     for s, w in zip(view.stages, plan.windows, strict=True):  # the head's own round trip
         s.rtt_ms = round(members[w.node].last_rtt_ms, 3)
+    view.sequences = getattr(chain, "n_seq_max", None)
     return view
