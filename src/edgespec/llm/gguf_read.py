@@ -21,6 +21,8 @@ from typing import Any
 
 import gguf
 
+from edgespec.llm.pages import read_once
+
 KEY_FINGERPRINT = "edgespec.fingerprint"
 KEY_RANGE = "edgespec.range"
 KEY_N_LAYER = "edgespec.n_layer"
@@ -313,8 +315,14 @@ def fingerprint(path: str | os.PathLike[str]) -> str:
     return read_info(path).fingerprint
 
 
-def file_sha256(path: str | os.PathLike[str]) -> str:
+def file_sha256(path: str | os.PathLike[str], keep_cached: bool = True) -> str:
+    """sha256 of a file; ``keep_cached=False`` drops each piece from the page cache once read
+    (a hash at start-up that nothing reads again soon, ``pages.read_once``)."""
     h = hashlib.sha256()
+    if not keep_cached:
+        for piece in read_once(path, COPY_CHUNK):
+            h.update(piece)
+        return h.hexdigest()
     with open(path, "rb") as f:
         while chunk := f.read(COPY_CHUNK):
             h.update(chunk)

@@ -4,23 +4,21 @@ The writer is told which metadata and tensors to write (:mod:`edgespec.llm.shard
 per window, docs/design.md 3.1); tensor data is copied from the source file in fixed-size chunks,
 so memory stays flat whatever the model size.
 
-Page cache stays flat too (:func:`write_gguf`): a node cuts its window inside its device's memory
-cgroup, which is charged for every page of the model it reads and of the shard it writes. Left
-alone those pages pile up to the cgroup's limit, the written ones dirty (reclaim under the
-limit must wait for their writeback), and the room the node reports for planning
-(``node.info.cgroup_room``) shrinks by what has not aged onto the inactive list yet. The same
-helpers let a node drop a window's file once llama.cpp has read it (``drop_file_cache``) and
-hash files at start-up without caching them (``read_once``).
+Page cache stays flat too (:func:`write_gguf`, with :mod:`edgespec.llm.pages`): a node cuts its
+window inside its device's memory cgroup, which is charged for every page of the model it reads
+and of the shard it writes. Left alone those pages pile up to the cgroup's limit, the written
+ones dirty (reclaim under the limit must wait for their writeback), and the room the node
+reports for planning (``node.info.cgroup_room``) shrinks by what has not aged onto the inactive
+list yet.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import struct
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +26,7 @@ from typing import Any
 import gguf
 
 from edgespec.llm.gguf_read import COPY_CHUNK, CorruptShardError
+from edgespec.llm.pages import DroppingReader, drop_cached
 
 
 def pack_str(text: str) -> bytes:
@@ -69,79 +68,6 @@ class PlannedTensor:
 #: drops them from the page cache, so at most this much of the output is cached on the
 #: writer's account at any time (the source's pieces are dropped as they are read).
 SYNC_CHUNK = 16 << 20
-
-
-def drop_cached(fd: int, offset: int, length: int) -> None:
-    """Drop the clean cached pages of bytes ``[offset, offset + length)`` of ``fd``: data read or
-    written once and not needed again soon. A page another process maps stays; where the
-    platform has no ``posix_fadvise`` (macOS) this does nothing."""
-    if length > 0 and hasattr(os, "posix_fadvise"):
-        with contextlib.suppress(OSError):
-            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
-
-
-#: How far past the end of a range read its cached pages may reach: the page cache holds a file
-#: in folios of up to 2 MiB (x86-64's PMD size), and dropping a range leaves a folio that
-#: reaches outside it.
-FOLIO_REACH = 2 << 20
-
-
-class _DroppingReader:
-    """Reads pieces of the source file and drops each from the page cache once read.
-
-    A piece's last folio may reach into the next piece, so a piece that follows the one before
-    it is dropped from that one's start (the folio they share goes with it), and the reach
-    past the last piece of a run is dropped when the run ends (:meth:`end_run`)."""
-
-    def __init__(self, f: Any) -> None:
-        self.f = f
-        self.run: tuple[int, int] | None = None  # the previous piece read
-
-    def readinto(self, view: memoryview, at: int) -> int:
-        if self.run is not None and not self.run[0] <= at <= self.run[1] + FOLIO_REACH:
-            self.end_run()
-        self.f.seek(at)
-        n = self.f.readinto(view) or 0
-        start = at if self.run is None else self.run[0]
-        drop_cached(self.f.fileno(), start, at + n - start)
-        self.run = (at, at + n)
-        return n
-
-    def end_run(self) -> None:
-        if self.run is not None:
-            lo, hi = self.run
-            drop_cached(self.f.fileno(), lo, hi - lo + FOLIO_REACH)
-            self.run = None
-
-
-def drop_file_cache(path: str | os.PathLike[str]) -> None:
-    """Drop the clean cached pages of the file at ``path``: a window llama.cpp has read into
-    its own buffers (or mapped: mapped pages stay) is not read again, and a memory cgroup
-    would go on counting its pages against the device until they are reclaimed."""
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            drop_cached(fd, 0, os.fstat(fd).st_size)
-        finally:
-            os.close(fd)
-
-
-def read_once(path: str | os.PathLike[str]) -> Iterator[memoryview]:
-    """The bytes of ``path`` in ``COPY_CHUNK`` pieces (each valid until the next), every piece
-    dropped from the page cache once read: a scan such as hashing a file would otherwise
-    leave it all cached on the reader's account, and a second read of pages still cached
-    from an earlier one moves them to the active list, which a memory cgroup's room
-    (``node.info.cgroup_room``) counts as used."""
-    with open(path, "rb", buffering=0) as f:
-        src = _DroppingReader(f)
-        view = memoryview(bytearray(COPY_CHUNK))
-        at = 0
-        try:
-            while n := src.readinto(view, at):
-                yield view[:n]
-                at += n
-        finally:
-            src.end_run()
 
 
 class _FlushingWriter:
@@ -194,7 +120,7 @@ def write_gguf(source: Path, out_path: Path, kvs: Sequence[bytes], plan: Sequenc
     try:
         # The source unbuffered: every byte read is one this loop asked for and drops.
         with open(tmp, "wb") as f, open(source, "rb", buffering=0) as fsrc:
-            fout, src = _FlushingWriter(f, digest), _DroppingReader(fsrc)
+            fout, src = _FlushingWriter(f, digest), DroppingReader(fsrc)
             fout.write(header)
             buf = bytearray(COPY_CHUNK)
             view = memoryview(buf)

@@ -1,4 +1,5 @@
-"""Resident pages a loaded window does not need, given back to the device (docs/design.md 3.9).
+"""Resident pages a loaded window does not need, given back to the device (docs/design.md
+5.3, "What a window holds").
 
 Three kinds, all found after llama.cpp has done its work, none of them data the window reads:
 
@@ -15,18 +16,25 @@ Three kinds, all found after llama.cpp has done its work, none of them data the 
 
 Both are ``madvise(MADV_DONTNEED)``, which never changes what the process reads from a file
 mapping and only zeroes anonymous memory the caller says it does not need.
+
+And the page cache of files read or written once (``drop_cached``, ``DroppingReader``,
+``read_once``, ``drop_file_cache``): a node cuts, hashes and loads files inside its device's
+memory cgroup, which is charged for every cached page (``edgespec.llm.gguf_write``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import mmap
 import os
 import sys
-from pathlib import Path
+from collections.abc import Iterator
+from typing import Any
 
-__all__ = ["release_file", "release_range", "supported"]
+__all__ = ["DroppingReader", "drop_cached", "drop_file_cache", "read_once", "release_file",
+           "release_range", "supported"]
 
 _MADV_DONTNEED = 4  # Linux, every architecture
 _PAGE = mmap.PAGESIZE
@@ -86,11 +94,7 @@ def release_file(path: str | os.PathLike[str], evict: bool = True) -> int:
         _madvise(a, b - a)
         walked += b - a
     if evict and walked:
-        fd = os.open(Path(path), os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        drop_file_cache(path)
     return walked
 
 
@@ -105,3 +109,82 @@ def release_range(address: int, nbytes: int) -> int:
         return 0
     _madvise(a, b - a)
     return b - a
+
+
+# ------------------------------------------------------------------------------ page cache
+
+#: Bytes per piece :func:`read_once` reads.
+READ_CHUNK = 8 << 20
+
+
+def drop_cached(fd: int, offset: int, length: int) -> None:
+    """Drop the clean cached pages of bytes ``[offset, offset + length)`` of ``fd``: data read or
+    written once and not needed again soon. A page another process maps stays; where the
+    platform has no ``posix_fadvise`` (macOS) this does nothing."""
+    if length > 0 and hasattr(os, "posix_fadvise"):
+        with contextlib.suppress(OSError):
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+
+
+#: How far past the end of a range read its cached pages may reach: the page cache holds a file
+#: in folios of up to 2 MiB (x86-64's PMD size), and dropping a range leaves a folio that
+#: reaches outside it.
+FOLIO_REACH = 2 << 20
+
+
+class DroppingReader:
+    """Reads pieces of the source file and drops each from the page cache once read.
+
+    A piece's last folio may reach into the next piece, so a piece that follows the one before
+    it is dropped from that one's start (the folio they share goes with it), and the reach
+    past the last piece of a run is dropped when the run ends (:meth:`end_run`)."""
+
+    def __init__(self, f: Any) -> None:
+        self.f = f
+        self.run: tuple[int, int] | None = None  # the previous piece read
+
+    def readinto(self, view: memoryview, at: int) -> int:
+        if self.run is not None and not self.run[0] <= at <= self.run[1] + FOLIO_REACH:
+            self.end_run()
+        self.f.seek(at)
+        n = self.f.readinto(view) or 0
+        start = at if self.run is None else self.run[0]
+        drop_cached(self.f.fileno(), start, at + n - start)
+        self.run = (at, at + n)
+        return n
+
+    def end_run(self) -> None:
+        if self.run is not None:
+            lo, hi = self.run
+            drop_cached(self.f.fileno(), lo, hi - lo + FOLIO_REACH)
+            self.run = None
+
+
+def drop_file_cache(path: str | os.PathLike[str]) -> None:
+    """Drop the clean cached pages of the file at ``path``: a window llama.cpp has read into
+    its own buffers (or mapped: mapped pages stay) is not read again, and a memory cgroup
+    would go on counting its pages against the device until they are reclaimed."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            drop_cached(fd, 0, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+
+
+def read_once(path: str | os.PathLike[str], chunk: int = READ_CHUNK) -> Iterator[memoryview]:
+    """The bytes of ``path`` in ``chunk``-byte pieces (each valid until the next), every piece
+    dropped from the page cache once read: a scan such as hashing a file would otherwise
+    leave it all cached on the reader's account, and a second read of pages still cached
+    from an earlier one moves them to the active list, which a memory cgroup's room
+    (``node.info.cgroup_room``) counts as used."""
+    with open(path, "rb", buffering=0) as f:
+        src = DroppingReader(f)
+        view = memoryview(bytearray(chunk))
+        at = 0
+        try:
+            while n := src.readinto(view, at):
+                yield view[:n]
+                at += n
+        finally:
+            src.end_run()

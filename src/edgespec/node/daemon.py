@@ -268,7 +268,6 @@ class Node(StageLoop):
 
     def _op_load(self, conn: Connection, req: ctl.Load, blob: Any) -> ctl.LoadReply:
         """Load windows [stage, first layer, stop, is_last] (``edgespec.wire.control.Load``)."""
-        from edgespec.llm.gguf_write import drop_file_cache
         from edgespec.llm.shards import cut_window, shard_file_name
         from edgespec.node.runtime import StageRuntime
 
@@ -296,7 +295,6 @@ class Node(StageLoop):
             rt = StageRuntime(path, n_ctx=req.n_ctx, n_seq_max=req.n_seq_max,
                               n_threads=self.n_threads, n_gpu_layers=self.n_gpu_layers,
                               expect_fingerprint=fp or None)
-            drop_file_cache(path)
             hosted = HostedStage(stage, (a, b), rt, is_last, encoding=req.encoding)
             hosted.thread = threading.Thread(target=self._run_hosted, args=(hosted,),
                                            name=f"edgespec-stage-{stage}", daemon=True)

@@ -5,7 +5,6 @@ Everything here is public by design (it goes into mDNS TXT records): no paths, n
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import secrets
@@ -267,12 +266,9 @@ def model_sha256(path: str | os.PathLike[str]) -> str:
     digest = _read_stamp(p, st)
     if digest is not None:
         return digest
-    from edgespec.llm.gguf_write import read_once
+    from edgespec.llm.gguf_read import file_sha256
 
-    h = hashlib.sha256()
-    for chunk in read_once(p):  # read once at start-up: not left cached on the device
-        h.update(chunk)
-    digest = h.hexdigest()
+    digest = file_sha256(p, keep_cached=False)  # at start-up: not left cached on the device
     stamp = p.with_name(p.name + ".sha256")
     try:
         tmp = stamp.with_name(stamp.name + f".tmp{os.getpid()}")

@@ -68,7 +68,6 @@ def profile_layers(model: str | Path, *, cache_dir: str | Path, n_threads: int |
     ``sustain_s`` seconds each, after one warm-up call, no faster than the cgroup's CPU quota
     allows: ``sustained_s``); also report free memory."""
     from edgespec.llm.gguf_read import fingerprint, read_info
-    from edgespec.llm.gguf_write import drop_file_cache
     from edgespec.llm.shards import cut_window, shard_file_name
     from edgespec.node import info as node_info
     from edgespec.node.runtime import StageRuntime
@@ -86,7 +85,6 @@ def profile_layers(model: str | Path, *, cache_dir: str | Path, n_threads: int |
         sustain_s = max(sustain_s, min(SUSTAIN_MAX_S, SUSTAIN_PERIODS * held[1]))
     rt = StageRuntime(path, n_ctx=max(64, 2 * max(batch_sizes)), n_seq_max=1,
                       n_threads=n_threads, n_gpu_layers=n_gpu_layers)
-    drop_file_cache(path)
     try:
         rng = np.random.default_rng(0)
         for n in batch_sizes:
