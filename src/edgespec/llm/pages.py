@@ -1,7 +1,7 @@
 """Resident pages a loaded window does not need, given back to the device (docs/design.md
 5.3, "What a window holds").
 
-Three kinds, all found after llama.cpp has done its work, none of them data the window reads:
+Two kinds, both found after llama.cpp has done its work, neither of them data the window reads:
 
 * **Mapped file pages.** llama.cpp maps the model file with ``MAP_POPULATE`` and copies the
   weights it repacks for the CPU into buffers of its own; the pages it read them from stay
