@@ -133,10 +133,6 @@ UNSUPPORTED = [
     ({"frequency_penalty": 0.5}, _BOTH, "frequency_penalty", "'frequency_penalty'"),
     ({"frequency_penalty": False}, _BOTH, "frequency_penalty", "'frequency_penalty'"),
     ({"presence_penalty": -1}, _BOTH, "presence_penalty", "'presence_penalty'"),
-    ({"logprobs": True}, _CHAT, "logprobs", "'logprobs'"),
-    ({"logprobs": 0}, _COMPLETION, "logprobs", "'logprobs'"),
-    ({"logprobs": 5}, _COMPLETION, "logprobs", "'logprobs'"),
-    ({"top_logprobs": 3}, _CHAT, "top_logprobs", "'top_logprobs'"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"},
      _CHAT, "tools", "'tools'"),
     ({"tool_choice": "required"}, _CHAT, "tool_choice", "'tool_choice'"),
@@ -468,6 +464,51 @@ def test_streaming_equals_non_streaming(server, alone):
         assert got["text"] == ref["text"] and got["finish"] == ref["finish"]
         if kind == "chat":  # stream_options.include_usage: a final usage chunk
             assert got["usage"] == ref["usage"]
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("mode", ["none", "sync", "flow"])
+def test_logprobs_align_with_the_text_in_every_mode(server, alone, mode):
+    """Each answer token's log probability and the most likely tokens' there, from the last
+    stage's distribution (greedy: the token is the most likely one), token by token with the
+    text, streamed or not, chat and completions, in every mode."""
+    client = server.client()
+    prompt = CHAT[0]
+    msgs = [{"role": "user", "content": prompt}]
+    kw = {"model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0,
+          "extra_body": {"spec": mode}}
+    r = client.chat.completions.create(messages=msgs, logprobs=True, top_logprobs=3, **kw)
+    text, content = r.choices[0].message.content, r.choices[0].logprobs.content
+    assert text == alone[("chat", prompt)]["text"]
+    assert "".join(e.token for e in content) == text
+    assert len(content) == r.usage.completion_tokens
+    for e in content:
+        assert len(e.top_logprobs) == 3 and e.logprob <= 0
+        assert e.top_logprobs[0].token == e.token  # greedy: the most likely token
+        assert abs(e.top_logprobs[0].logprob - e.logprob) < 1e-4
+        assert e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob >= e.top_logprobs[2].logprob
+        assert bytes(e.bytes).decode("utf-8", errors="replace") == e.token
+    streamed = []
+    for ch in client.chat.completions.create(messages=msgs, logprobs=True, stream=True, **kw):
+        if ch.choices and ch.choices[0].logprobs is not None:
+            streamed += ch.choices[0].logprobs.content
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert all(e.top_logprobs == [] for e in streamed)
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(streamed, content, strict=True)) < 0.05
+    # Completions: logprobs is the number of alternatives; text_offset counts characters.
+    cp = COMPLETE[0]
+    c = client.completions.create(prompt=cp, logprobs=2, **kw).choices[0]
+    assert c.text == alone[("completion", cp)]["text"]
+    lp = c.logprobs
+    assert "".join(lp.tokens) == c.text and len(lp.token_logprobs) == len(lp.tokens)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert all(len(top) <= 2 and max(top.values()) <= 0 for top in lp.top_logprobs)
+    # Asked wrongly: a 400 naming the field; not asked: null.
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.chat.completions.create(messages=msgs, top_logprobs=2, **kw)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.chat.completions.create(messages=msgs, logprobs=True, top_logprobs=21, **kw)
+    assert client.chat.completions.create(messages=msgs, **kw).choices[0].logprobs is None
 
 
 @pytest.mark.real_model

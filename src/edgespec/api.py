@@ -40,7 +40,7 @@ from edgespec.head.engine import EngineConfig, GenerationStats, SpecEngine
 from edgespec.head.engine.cost import CostModel
 from edgespec.head.engine.gain import RingRates
 from edgespec.head.engine.registry import AUTO, MODES, SPEC_MODES
-from edgespec.head.output import OutputProcessor
+from edgespec.head.output import OutputProcessor, TokenLogprob
 from edgespec.head.scheduler import Scheduler, Ticket
 from edgespec.head.session import Session
 from edgespec.params import GenerationParams, Prepared
@@ -62,6 +62,9 @@ class Generation:
     #: The max_tokens actually used when the one asked for did not fit in the context left
     #: after the prompt (llama.cpp's rule: cap, don't fail); None when it fitted.
     capped_max_tokens: int | None = None
+    #: With ``logprobs``: each token's log probability and the most likely tokens' there
+    #: (``TokenLogprob``, one per token of ``tokens``); None when not asked for.
+    logprobs: list[TokenLogprob] | None = None
 
 
 class TextStream:
@@ -72,6 +75,9 @@ class TextStream:
         self._pieces = pieces
         self._ticket = ticket
         self.result: Generation | None = None
+        #: With ``logprobs``: a ``TokenLogprob`` per token accepted so far (it grows as the
+        #: pieces come; a streaming server sends the new ones with each piece).
+        self.logprobs: list[TokenLogprob] = []
 
     def __iter__(self) -> Iterator[str]:
         return self
@@ -305,6 +311,9 @@ class Ring:
         def pieces() -> Iterator[str]:
             t_start = time.perf_counter()
             out = OutputProcessor(self.tokenizer, request.params)
+            scored = request.params.logprobs is not None
+            if (held := this()) is not None:
+                held.logprobs = out.logprobs
             with self.scheduler.acquire(request.prompt, ticket, cancel=cancel) as slot:
                 if slot is None:  # cancelled while it waited: it never reached the ring
                     out.cancelled()
@@ -320,7 +329,7 @@ class Ring:
                 chunks = slot.session.tokens(request, cancel=cancel, t_start=t_start)
                 try:
                     for chunk in chunks:
-                        piece = out.feed(chunk)
+                        piece = out.feed(chunk, engine.last_scores if scored else None)
                         if piece:
                             yield piece
                         if out.done:
@@ -339,7 +348,8 @@ class Ring:
                 slot.tokens = len(out.tokens)
                 self._last_slot = slot
                 self._finish(this, Generation(out.text, out.tokens, stats, out.finish,
-                                              request.capped))
+                                              request.capped,
+                                              list(out.logprobs) if scored else None))
 
         stream._pieces = pieces()
         return stream

@@ -26,9 +26,14 @@ class Sampling:
     top_p: float = 1.0
     seed: int = 0
     bias: tuple[tuple[int, float], ...] = ()
+    #: -1: no log probabilities; n >= 0: each target's, and the n most likely tokens' with
+    #: theirs (``TargetScores``), computed where the target is drawn.
+    logprobs: int = -1
 
     #: The largest bias magnitude (OpenAI's range): -100 bans a token, +100 forces it.
     MAX_BIAS = 100.0
+    #: The most alternatives ``logprobs`` may ask for (OpenAI's ``top_logprobs`` limit).
+    MAX_TOP = 20
 
     @property
     def greedy(self) -> bool:
@@ -39,6 +44,8 @@ class Sampling:
                 "seed": self.seed}
         if self.bias:
             meta["logit_bias"] = [[t, v] for t, v in self.bias]
+        if self.logprobs >= 0:
+            meta["logprobs"] = self.logprobs
         return meta
 
     @classmethod
@@ -54,8 +61,13 @@ class Sampling:
                     or not abs(pair[1]) <= cls.MAX_BIAS):
                 raise ValueError(f"META.sampling.logit_bias: bad pair {pair!r}")
             pairs.append((pair[0], float(pair[1])))
+        logprobs = meta.get("logprobs", -1)
+        if type(logprobs) is not int or not -1 <= logprobs <= cls.MAX_TOP:
+            raise ValueError(f"META.sampling.logprobs must be -1..{cls.MAX_TOP}, got "
+                             f"{logprobs!r}")
         return cls(float(meta.get("temperature", 0.0)), int(meta.get("top_k", 0)),
-                   float(meta.get("top_p", 1.0)), int(meta.get("seed", 0)), tuple(pairs))
+                   float(meta.get("top_p", 1.0)), int(meta.get("seed", 0)), tuple(pairs),
+                   logprobs)
 
     def biased(self, logits: np.ndarray) -> np.ndarray:
         """``logits`` (rows x vocabulary) with the bias added, as a new float32 array; the
@@ -74,6 +86,45 @@ class Sampling:
 
 #: Tokens one request may bias (OpenAI allows 300): the list rides in every batch's META.
 MAX_BIASED_TOKENS = 300
+
+
+@dataclass
+class TargetScores:
+    """Log probabilities where targets are drawn, one row per wanted row: of the target, and
+    of the ``n`` most likely tokens, under the model's distribution with the request's bias
+    (``log_softmax`` of the biased logits: temperature and truncation only shape the draw).
+    A few bytes per token travel back with the ids (RESULT's LOGPROBS and TOP_IDS)."""
+
+    logprobs: np.ndarray  # float32 [k, 1 + n]: the target's, then the top n's
+    top_ids: np.ndarray  # int32 [k, n], most likely first
+
+    @classmethod
+    def of(cls, logits: np.ndarray, targets: np.ndarray, n: int) -> TargetScores:
+        z = np.asarray(logits, dtype=np.float64)
+        peak = z.max(axis=1, keepdims=True)
+        lse = peak + np.log(np.exp(z - peak).sum(axis=1, keepdims=True))
+        rows = np.arange(len(z))
+        chosen = z[rows, np.asarray(targets, np.int64)] - lse[:, 0]
+        if n > 0:
+            part = np.argpartition(-z, min(n, z.shape[1] - 1), axis=1)[:, :n]
+            order = np.argsort(-np.take_along_axis(z, part, axis=1), axis=1, kind="stable")
+            top = np.take_along_axis(part, order, axis=1)
+            top_lp = np.take_along_axis(z, top, axis=1) - lse
+        else:
+            top = np.zeros((len(z), 0), np.int64)
+            top_lp = np.zeros((len(z), 0))
+        return cls(np.concatenate([chosen[:, None], top_lp], axis=1).astype(np.float32),
+                   top.astype(np.int32))
+
+    def select(self, idx: np.ndarray) -> TargetScores:
+        return TargetScores(self.logprobs[idx], self.top_ids[idx])
+
+    def entry(self, i: int) -> tuple[float, list[tuple[int, float]]]:
+        """Row ``i``: (the target's log probability, [(token, log probability)] most likely
+        first)."""
+        lp = self.logprobs[i]
+        return float(lp[0]), [(int(t), float(v)) for t, v in zip(self.top_ids[i], lp[1:],
+                                                                  strict=True)]
 
 
 class SeqIds:
@@ -248,6 +299,8 @@ class Batch:
     sampling: Sampling = field(default_factory=Sampling)
     # Lap-timing stamps of the stages it went through (edgespec.laps; rides in META).
     timing: list = field(default_factory=list)
+    # What the last stage measured of its wanted rows' targets (``Sampling.logprobs``).
+    scores: TargetScores | None = None
 
     def __post_init__(self) -> None:
         self.tokens = np.ascontiguousarray(self.tokens, dtype=np.int32)
@@ -281,3 +334,4 @@ class Result:
     targets: np.ndarray  # int32 [k]: the target model's token at each of those nodes
     timing: list | None = None  # the stages' lap-timing stamps (edgespec.laps)
     received: int = 0  # when the head had it off the wire (edgespec.laps.now, microseconds)
+    scores: TargetScores | None = None  # per target, when the request asked (logprobs)

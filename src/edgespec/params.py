@@ -78,6 +78,9 @@ class GenerationParams:
     #: bans a token, +100 forces it); a mapping of ids (ints or their decimal strings) to
     #: values in [-100, 100], kept as sorted (id, value) pairs.
     logit_bias: Any = ()
+    #: None: no log probabilities; n in 0..20: each token's, and the n most likely tokens'
+    #: there (``Generation.logprobs``), from the distribution the last stage draws from.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise the fields once, here
@@ -107,6 +110,11 @@ class GenerationParams:
                                f"{self.spec!r}", "spec")
         set_(self, "ignore_eos", bool(self.ignore_eos))
         set_(self, "logit_bias", _logit_bias(self.logit_bias))
+        if self.logprobs is not None:
+            set_(self, "logprobs", _number("logprobs", self.logprobs, int))
+            if not 0 <= self.logprobs <= Sampling.MAX_TOP:
+                raise RequestError(f"logprobs must be in 0..{Sampling.MAX_TOP} (alternatives "
+                                   f"per token), got {self.logprobs}", "logprobs")
 
     @classmethod
     def of(cls, params: GenerationParams | None = None, **fields: Any) -> GenerationParams:
@@ -125,7 +133,8 @@ class GenerationParams:
     def sampling(self) -> Sampling:
         """What the last stage draws with."""
         return Sampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                        seed=self.seed, bias=self.logit_bias)
+                        seed=self.seed, bias=self.logit_bias,
+                        logprobs=-1 if self.logprobs is None else self.logprobs)
 
 
 @dataclass(frozen=True)

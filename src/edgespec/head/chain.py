@@ -97,7 +97,8 @@ class LocalChain:
             wanted = batch.nodes[batch.want] if len(batch) else np.zeros(0, np.int32)
             if targets is None:
                 targets = np.zeros(0, dtype=np.int32)
-            return Result(item.lap, item.segment, wanted, targets, batch.timing, now())
+            return Result(item.lap, item.segment, wanted, targets, batch.timing, now(),
+                          batch.scores)
         raise RuntimeError("next_result() with nothing submitted")
 
     def has_result(self) -> bool:

@@ -5,7 +5,9 @@ soon as this says the answer is complete."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from edgespec.params import GenerationParams
 
@@ -31,6 +33,16 @@ class Detokenizer:
             return text
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token of the answer with its log probability and the most likely tokens' there (the
+    last stage's ``TargetScores`` row), most likely first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 class OutputProcessor:
     """Feed it accepted tokens (``feed``) and stream the text it returns; once ``done``, the
     answer is ``text`` / ``tokens`` and ``finish`` says why it ended ("stop": end of
@@ -46,19 +58,25 @@ class OutputProcessor:
         self._holdback = max((len(s) for s in self.stops), default=1) - 1
         self.text = ""
         self.tokens: list[int] = []
+        #: With ``feed(..., scores)``: one ``TokenLogprob`` per token of ``tokens``.
+        self.logprobs: list[TokenLogprob] = []
         self.emitted = 0
         self.finish = "length"
         self.done = False
 
-    def feed(self, chunk: Iterable[int]) -> str:
-        """Take the tokens of one step; the new text that is safe to show."""
-        for t in chunk:
+    def feed(self, chunk: Iterable[int], scores: Sequence[Any] | None = None) -> str:
+        """Take the tokens of one step (and their ``(logprob, top)`` scores, when asked
+        for); the new text that is safe to show."""
+        for i, t in enumerate(chunk):
             if self.done:
                 break
             if self._is_eog(t):
                 self.finish, self.done = "stop", True
                 break
             self.tokens.append(t)
+            if scores is not None:
+                lp, top = scores[i]
+                self.logprobs.append(TokenLogprob(int(t), lp, tuple(top)))
             self.text += self._detok.push(t)
             hit = min((i for i in (self.text.find(s, max(0, self.emitted - len(s)))
                                    for s in self.stops) if i >= 0), default=-1)

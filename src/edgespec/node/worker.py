@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from edgespec.batch import Batch, Sampling
+from edgespec.batch import Batch, Sampling, TargetScores
 from edgespec.laps import cpu_now, now
 from edgespec.node.merge import concat_batches
 from edgespec.tree.kvop import KvOp, KvOpCode
@@ -28,14 +28,25 @@ def pick_targets(logits: np.ndarray, pos: np.ndarray, sampling: Sampling) -> np.
     sampled generation is the same whatever tree or mode produced it, and each accepted token is
     an exact draw from the target's conditional (SpecExec / FlowSpec verification).
     """
+    return draw(logits, pos, sampling)[0]
+
+
+def draw(logits: np.ndarray, pos: np.ndarray, sampling: Sampling
+         ) -> tuple[np.ndarray, TargetScores | None]:
+    """The targets (``pick_targets``), and their ``TargetScores`` when the sampling asks for
+    log probabilities."""
     from edgespec.tree import core
 
     logits = sampling.biased(logits)
     if sampling.greedy:
-        return core.argmax_rows(np.ascontiguousarray(logits, dtype=np.float32))
-    verifier = core.Verifier(sampling.temperature, sampling.top_k, sampling.top_p,
-                             sampling.seed & 0xFFFFFFFFFFFFFFFF)
-    return verifier.sample_rows(np.ascontiguousarray(logits, dtype=np.float32), pos)
+        targets = core.argmax_rows(np.ascontiguousarray(logits, dtype=np.float32))
+    else:
+        verifier = core.Verifier(sampling.temperature, sampling.top_k, sampling.top_p,
+                                 sampling.seed & 0xFFFFFFFFFFFFFFFF)
+        targets = verifier.sample_rows(np.ascontiguousarray(logits, dtype=np.float32), pos)
+    if sampling.logprobs < 0:
+        return targets, None
+    return targets, TargetScores.of(logits, targets, sampling.logprobs)
 
 
 # ----------------------------------------------------------------------- stage execution
@@ -123,7 +134,8 @@ class StageWorker:
                 batch.timing.append([i, t_prev, t_prev, t, cpu - cpu_prev])
                 t_prev, cpu_prev = t, cpu
         if self.is_last:
-            return batch, pick_targets(x, batch.pos[batch.want], batch.sampling)
+            targets, batch.scores = draw(x, batch.pos[batch.want], batch.sampling)
+            return batch, targets
         return batch, x
 
     def run_many(self, items: Sequence[tuple[Batch, np.ndarray | None]]
@@ -201,8 +213,11 @@ class StageWorker:
         for b in batches:
             k = int(np.count_nonzero(b.want))
             try:
-                res.append((b, pick_targets(x[r:r + k], b.pos[b.want], b.sampling) if k
-                            else np.zeros(0, dtype=np.int32)))
+                if k:
+                    targets, b.scores = draw(x[r:r + k], b.pos[b.want], b.sampling)
+                else:
+                    targets = np.zeros(0, dtype=np.int32)
+                res.append((b, targets))
             except Exception as e:
                 res.append(e)
             r += k

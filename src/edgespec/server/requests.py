@@ -48,8 +48,6 @@ _NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "n": (_is(1), "1"),
     "frequency_penalty": (_is(0, 0.0), "0"),
     "presence_penalty": (_is(0, 0.0), "0"),
-    "logprobs": (_is(False), "false"),
-    "top_logprobs": (_is(0), "0"),
     "tools": (_is([]), "[]"),
     # With no tools there is nothing to call, so "none" and "auto" both mean plain text.
     "tool_choice": (_is("none", "auto"), '"none" or "auto"'),
@@ -158,9 +156,11 @@ class _ChatRequest(_Sampling):
     safety_identifier: _Str | None = None
     metadata: dict[_Str, _Str] | None = None
     prompt_cache_key: _Str | None = None
+    # Each answer token's log probability, and with ``top_logprobs`` (0..20) the most likely
+    # tokens' there (``GenerationParams.logprobs``).
+    logprobs: Annotated[bool, Field(strict=True)] | None = None
+    top_logprobs: Annotated[int, Field(strict=True, ge=0, le=20)] | None = None
     # Unimplemented (``_NEUTRAL``).
-    logprobs: Any = None
-    top_logprobs: Any = None
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: Any = None
@@ -181,8 +181,9 @@ class _CompletionRequest(_Sampling):
     prompt: (Annotated[str, Field(strict=True, min_length=1)]
              | Annotated[list[Annotated[str, Field(strict=True, min_length=1)]],
                          Field(min_length=1, max_length=1)])
+    # The log probabilities of each token and of the ``logprobs`` (0..20) most likely ones.
+    logprobs: Annotated[int, Field(strict=True, ge=0, le=20)] | None = None
     # Unimplemented (``_NEUTRAL``).
-    logprobs: Any = None
     best_of: Any = None
     echo: Any = None
     suffix: Any = None
@@ -198,6 +199,7 @@ _FIELD_HELP = {
     "top_k": "'top_k' must be an integer >= 0 (0 = off)",
     "seed": "'seed' must be a 64-bit integer",
     "max_tokens": "'max_tokens' must be an integer >= 1",
+    "top_logprobs": "'top_logprobs' must be an integer from 0 to 20",
     "max_completion_tokens": "'max_completion_tokens' must be an integer >= 1",
     "stop": "'stop' must be a string or a list of up to 4 strings",
     "messages": "'messages' must be a non-empty list of {role, content} with role system, "
@@ -270,7 +272,17 @@ def parse_request(body: bytes | dict[str, Any], chat: bool) -> _ChatRequest | _C
                             "stream_options")
     for i, m in enumerate(getattr(req, "messages", ())):
         _refuse_unsupported(m, _MESSAGE_NEUTRAL, f"messages[{i}].", "messages")
+    if chat and req.top_logprobs and not req.logprobs:
+        raise _BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     return req
+
+
+def _logprobs(req: _Sampling) -> int | None:
+    """``GenerationParams.logprobs`` of a request: chat's ``logprobs`` switches them on with
+    ``top_logprobs`` alternatives, completions' ``logprobs`` is the number of alternatives."""
+    if isinstance(req, _ChatRequest):
+        return (req.top_logprobs or 0) if req.logprobs else None
+    return getattr(req, "logprobs", None)
 
 
 def generation_params(req: _Sampling | dict[str, Any], default_max_tokens: int
@@ -289,7 +301,8 @@ def generation_params(req: _Sampling | dict[str, Any], default_max_tokens: int
             top_k=0 if req.top_k is None else req.top_k,
             seed=0 if req.seed is None else req.seed,
             stop=(stop,) if isinstance(stop, str) else tuple(stop),
-            spec=req.spec, ignore_eos=bool(req.ignore_eos), logit_bias=req.logit_bias)
+            spec=req.spec, ignore_eos=bool(req.ignore_eos), logit_bias=req.logit_bias,
+            logprobs=_logprobs(req))
     except RequestError as e:
         raise _BadRequest(str(e), e.param) from None
 

@@ -10,7 +10,8 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -18,6 +19,7 @@ from fastapi.responses import StreamingResponse
 
 from edgespec import errors
 from edgespec.api import Generation, Prepared, Ring, TextStream
+from edgespec.head.output import TokenLogprob
 from edgespec.server.health import Metrics
 from edgespec.server.inflight import Inflight
 from edgespec.server.live import _Live
@@ -35,6 +37,15 @@ log = logging.getLogger("edgespec.server")
 #: Legacy completions stop after 16 tokens when max_tokens is omitted (OpenAI's default);
 #: chat completions may use the rest of the context, as OpenAI's do.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """A piece of an answer's text and the log probabilities of the tokens it brought (those
+    of tokens without text of their own ride with the next piece)."""
+
+    text: str
+    scores: list[TokenLogprob]
 
 
 class Completions:
@@ -130,11 +141,16 @@ class Completions:
             try:
                 t0 = time.perf_counter()
                 ttft = None
+                sent = 0  # log probabilities handed out with the pieces so far
                 try:
                     for piece in stream:
                         if ttft is None:
                             ttft = time.perf_counter() - t0  # prefill + first step
-                        put(piece)
+                        scored = stream.logprobs[sent:]
+                        sent += len(scored)
+                        put(_Piece(piece, scored))
+                    if len(stream.logprobs) > sent:  # tokens of no text after the last piece
+                        put(_Piece("", stream.logprobs[sent:]))
                 finally:
                     # Ends the generation (and frees its slot) now, also when this loop
                     # is left by an exception; the ring's stream stops at once on stop
@@ -212,7 +228,8 @@ class Completions:
 
         if req.stream:
             return StreamingResponse(
-                self._sse(queue, cancel, chat, rid, created, include_usage),
+                self._sse(queue, cancel, chat, rid, created, include_usage,
+                          prepared.params.logprobs is not None),
                 media_type="text/event-stream")
 
         gen: Generation | None = None
@@ -255,34 +272,79 @@ class Completions:
             return _error(503, f"the server is shutting down: the answer was cut off after "
                           f"{gen.stats.tokens} token(s); retry", "server_error",
                           code="shutting_down")
+        scores = gen.logprobs
         if chat:
             choice = {"index": 0, "finish_reason": gen.finish_reason,
-                      "message": {"role": "assistant", "content": gen.text}}
+                      "message": {"role": "assistant", "content": gen.text},
+                      "logprobs": None if scores is None else
+                      {"content": self._chat_logprobs(scores), "refusal": None}}
         else:
             choice = {"index": 0, "finish_reason": gen.finish_reason, "text": gen.text,
-                      "logprobs": None}
+                      "logprobs": None if scores is None else
+                      self._completion_logprobs(scores, 0)}
         return {"id": rid, "object": "chat.completion" if chat else "text_completion",
                 "created": created, "model": self.model_name, "choices": [choice],
                 "usage": self._usage(gen)}
 
+    def _token_text(self, token: int) -> tuple[str, list[int]]:
+        raw = self.ring.tokenizer.piece(token)
+        return raw.decode("utf-8", errors="replace"), list(raw)
+
+    def _chat_logprobs(self, scores: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
+        """Chat's ``logprobs.content``: per token its text, bytes, log probability and the
+        most likely tokens' (``top_logprobs``)."""
+        out = []
+        for s in scores:
+            text, raw = self._token_text(s.token)
+            top = []
+            for t, lp in s.top:
+                t_text, t_raw = self._token_text(t)
+                top.append({"token": t_text, "logprob": lp, "bytes": t_raw})
+            out.append({"token": text, "logprob": s.logprob, "bytes": raw, "top_logprobs": top})
+        return out
+
+    def _completion_logprobs(self, scores: Sequence[TokenLogprob], offset: int
+                             ) -> dict[str, Any]:
+        """Completions' ``logprobs``: tokens, their log probabilities, the most likely
+        tokens' as ``{text: logprob}`` and each token's offset in the text (from
+        ``offset``)."""
+        tokens, offsets = [], []
+        for s in scores:
+            offsets.append(offset)
+            text = self._token_text(s.token)[0]
+            offset += len(text)
+            tokens.append(text)
+        return {"tokens": tokens, "token_logprobs": [s.logprob for s in scores],
+                "top_logprobs": [{self._token_text(t)[0]: lp for t, lp in s.top}
+                                 for s in scores],
+                "text_offset": offsets}
+
     async def _sse(self, queue: asyncio.Queue, cancel: threading.Event, chat: bool, rid: str,
-                   created: int, include_usage: bool) -> AsyncIterator[bytes]:
+                   created: int, include_usage: bool, scored: bool = False
+                   ) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if chat else "text_completion"
+        offset = 0  # completions' text_offset: characters of text before a chunk's tokens
 
         def event(payload: dict[str, Any]) -> bytes:
             return f"data: {json.dumps(payload)}\n\n".encode()
 
-        def chunk(delta: str | None, finish: str | None, first: bool = False) -> bytes:
+        def chunk(delta: str | None, finish: str | None, first: bool = False,
+                  scores: Sequence[TokenLogprob] = ()) -> bytes:
+            nonlocal offset
             if chat:
                 d: dict[str, Any] = {}
                 if first:
                     d["role"] = "assistant"
                 if delta:
                     d["content"] = delta
-                choice = {"index": 0, "delta": d, "finish_reason": finish}
+                choice = {"index": 0, "delta": d, "finish_reason": finish,
+                          "logprobs": {"content": self._chat_logprobs(scores), "refusal": None}
+                          if scored and scores else None}
             else:
                 choice = {"index": 0, "text": delta or "", "finish_reason": finish,
-                          "logprobs": None}
+                          "logprobs": self._completion_logprobs(scores, offset)
+                          if scored and scores else None}
+                offset += len(delta or "")
             return event({"id": rid, "object": obj, "created": created, "model": self.model_name,
                           "choices": [choice]})
 
@@ -317,7 +379,7 @@ class Completions:
                     if include_usage:
                         yield usage
                     continue
-                yield chunk(item, None)
+                yield chunk(item.text, None, scores=item.scores)
             yield b"data: [DONE]\n\n"
         finally:
             # Reached on normal end too (harmless then); on a hang-up it stops the generation.

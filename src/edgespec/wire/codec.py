@@ -66,6 +66,8 @@ class FieldTag(IntEnum):
     NODES = 8  # int32 [k] tree node indices
     META = 9  # JSON object
     BLOB = 10  # raw bytes (e.g. a shard chunk)
+    LOGPROBS = 11  # f32 [k, 1 + n]: each target's log probability, then the top n's (RESULT)
+    TOP_IDS = 12  # int32 [k, n]: the n most likely tokens after each wanted row (RESULT)
 
 
 class Encoding(IntEnum):
@@ -106,6 +108,8 @@ _FIELD_RULES: dict[FieldTag, _Rule] = {
     FieldTag.NODES: _I32_1D,
     FieldTag.META: _Rule(frozenset({Encoding.JSON}), 1),
     FieldTag.BLOB: _Rule(frozenset({Encoding.BYTES}), 1),
+    FieldTag.LOGPROBS: _Rule(frozenset({Encoding.F32}), 2),
+    FieldTag.TOP_IDS: _Rule(frozenset({Encoding.I32}), 2),
 }
 
 # Per kind: (required, optional) fields.
@@ -129,7 +133,8 @@ _SCHEMAS: dict[Kind, tuple[frozenset[FieldTag], frozenset[FieldTag]]] = {
         frozenset({_T.HIDDEN, _T.POSITIONS, _T.SEQ_IDS}),
         frozenset({_T.TOKENS, _T.NODES, _T.KV_OPS, _T.META}),
     ),
-    Kind.RESULT: (frozenset({_T.TARGETS}), frozenset({_T.NODES, _T.META})),
+    Kind.RESULT: (frozenset({_T.TARGETS}),
+                  frozenset({_T.NODES, _T.META, _T.LOGPROBS, _T.TOP_IDS})),
     Kind.KV_OPS: (frozenset({_T.KV_OPS}), frozenset({_T.META})),
     Kind.PRUNE: (frozenset({_T.NODES}), frozenset({_T.TOKENS, _T.META})),
 }
@@ -138,7 +143,7 @@ _PER_TOKEN = (_T.TOKENS, _T.POSITIONS, _T.SEQ_IDS, _T.NODES, _T.HIDDEN)
 _PER_TOKEN_KINDS = frozenset({Kind.TOKENS, Kind.HIDDEN})
 
 
-_NON_NEGATIVE = (_T.TOKENS, _T.POSITIONS, _T.TARGETS, _T.NODES)
+_NON_NEGATIVE = (_T.TOKENS, _T.POSITIONS, _T.TARGETS, _T.NODES, _T.TOP_IDS)
 
 # ----------------------------------------------------------------------------- per-hop tables
 # Every batch pays this codec on every link of every lap, and in the ring it runs right after

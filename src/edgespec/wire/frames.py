@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from edgespec._native import core as _core
-from edgespec.batch import Batch, Result, Sampling, SeqIds
+from edgespec.batch import Batch, Result, Sampling, SeqIds, TargetScores
 from edgespec.laps import now, stamps_from_meta
 from edgespec.tree.kvop import KvOp, KvOpCode
 from edgespec.wire.codec import (
@@ -162,11 +162,15 @@ def message_batch(msg: Message) -> tuple[Batch, np.ndarray | None, int]:
 
 
 def result_message(batch: Batch, targets: np.ndarray) -> Message:
-    """RESULT message: the target token of each wanted (and surviving) row."""
+    """RESULT message: the target token of each wanted (and surviving) row, and their log
+    probabilities where the request asked (``batch.scores``)."""
     wanted = batch.nodes[batch.want] if len(batch) else np.zeros(0, np.int32)
-    return Message(Kind.RESULT, {FieldTag.TARGETS: np.asarray(targets, np.int32),
-                                 FieldTag.NODES: np.asarray(wanted, np.int32)},
-                   lap_id=batch.lap, segment_id=batch.segment)
+    fields: dict[FieldTag, Any] = {FieldTag.TARGETS: np.asarray(targets, np.int32),
+                                   FieldTag.NODES: np.asarray(wanted, np.int32)}
+    if batch.scores is not None and len(targets):
+        fields[FieldTag.LOGPROBS] = batch.scores.logprobs
+        fields[FieldTag.TOP_IDS] = batch.scores.top_ids
+    return Message(Kind.RESULT, fields, lap_id=batch.lap, segment_id=batch.segment)
 
 
 def message_result(msg: Message) -> Result:
@@ -174,5 +178,13 @@ def message_result(msg: Message) -> Result:
     nodes = np.asarray(msg.fields.get(FieldTag.NODES, np.zeros(0, np.int32)), np.int32)
     if len(nodes) != len(targets):
         raise ValueError("RESULT: NODES and TARGETS differ in length")
+    scores = None
+    if FieldTag.LOGPROBS in msg.fields:
+        lp = np.asarray(msg[FieldTag.LOGPROBS], np.float32)
+        top = np.asarray(msg.fields.get(FieldTag.TOP_IDS, np.zeros((len(lp), 0), np.int32)),
+                         np.int32)
+        if lp.shape[0] != len(targets) or top.shape != (len(targets), lp.shape[1] - 1):
+            raise ValueError("RESULT: LOGPROBS and TOP_IDS do not match TARGETS")
+        scores = TargetScores(lp, top)
     return Result(msg.lap_id, msg.segment_id, nodes, targets,
-                  stamps_from_meta(msg.meta.get("timing")), now())
+                  stamps_from_meta(msg.meta.get("timing")), now(), scores)

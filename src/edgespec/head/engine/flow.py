@@ -91,6 +91,7 @@ class FlowMode(Mode):
                         next_seg += 1
                         rnd.verified_rows = _b
                         assert rnd.verifier is not None
+                        rnd.note(r)
                         d = rnd.verifier.feed_targets(r.targets, a, rows=r.nodes)
                         if d.status == core.ACCEPTED:
                             decision = d
@@ -98,6 +99,7 @@ class FlowMode(Mode):
                             self.prune(rnd, d)
                             # A pending decision's tokens are final: stream them now.
                             if len(d.tokens) > streamed:
+                                ctx.score_tokens(rnd, d.path, streamed, len(d.tokens))
                                 new = [int(t) for t in d.tokens[streamed:]]
                                 streamed = rnd.streamed = len(d.tokens)
                                 yield new

@@ -12,7 +12,7 @@ tree pays now and how big it is.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 if TYPE_CHECKING:
@@ -57,6 +57,10 @@ class StepContext(Protocol):
 
     def finish_tree(self, rnd: TreeInFlight, decision: core.Decision) -> list[int]:
         """Commit a decision (masked rollback) and return the tokens gained."""
+
+    def score_tokens(self, rnd: TreeInFlight, rows: Sequence[int], start: int, stop: int
+                     ) -> None:
+        """Queue the log probabilities of tokens handed out before the step's decision."""
 
     def draft_into(self, tree: core.TokenTree, under_node: int, dt: DraftTree) -> None:
         """Add a drafter's nodes below ``under_node``."""

@@ -20,7 +20,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -66,6 +66,10 @@ class SpecEngine:
                                  segments=config.segments)
         self.history: list[int] = []  # tokens committed in KV sequence 0 on every stage
         self.stats = GenerationStats()
+        self.want_scores = False  # set per generation (``run``)
+        self.token_scores: list[Any] = []
+        self.last_scores: list[Any] | None = None
+        self._prefill_scores: Any = None
         # Lap ids name batches on every stage (pruning remembers recent laps): start each head
         # somewhere random so a new head on the same stages never reuses a recent lap id.
         self._lap = secrets.randbits(30)
@@ -139,6 +143,12 @@ class SpecEngine:
                              f"exceeds the context size {self.n_ctx}")
         mode = self.resolve_mode(mode)
         self.stats = GenerationStats(mode=mode, prompt_tokens=len(prompt))
+        # Log probabilities of the tokens gained, in order, while the request asks for them
+        # (``Sampling.logprobs``): each step adds its tokens' (``score_tokens``), and every
+        # chunk handed out takes its own as ``last_scores``.
+        self.want_scores = sampling.logprobs >= 0
+        self.token_scores: list[Any] = []
+        self.last_scores: list[Any] | None = None
         self.policy.begin()
         t0 = time.perf_counter()
         t_start = t0 if t_start is None else t_start
@@ -156,6 +166,8 @@ class SpecEngine:
                                     sampling=sampling, root_alone=replay > 0,
                                     while_waiting=begin_drafter)
         assert first is not None  # want_root: the prefill brought the first token
+        if self.want_scores:
+            self.token_scores.append(self._prefill_scores)
         self.stats.prefill_s = time.perf_counter() - t0
         if drafter is not None:
             td = time.perf_counter()
@@ -168,7 +180,11 @@ class SpecEngine:
         steps = self._steps(mode, root, first, sampling)
         try:
             for chunk in steps:
+                full = len(chunk)
                 chunk = chunk[: max_tokens - produced]
+                if self.want_scores:
+                    self.last_scores = self.token_scores[:len(chunk)]
+                    del self.token_scores[:full]
                 if produced == 0 and chunk:
                     self.stats.ttft_ms = (time.perf_counter() - t_start) * 1e3
                 produced += len(chunk)
@@ -270,6 +286,7 @@ class SpecEngine:
         if not want_root:
             return prompt[-1], None
         assert res is not None and len(res.targets) == 1
+        self._prefill_scores = None if res.scores is None else res.scores.entry(0)
         self.history.append(prompt[-1])
         return prompt[-1], int(res.targets[0])
 
@@ -337,6 +354,8 @@ class SpecEngine:
         self.stats.accepted_hist[1] += 1
         self._commit([root])
         token = int(res.targets[0])
+        if self.want_scores:
+            self.token_scores.append(None if res.scores is None else res.scores.entry(0))
         if self.listeners:
             self.emit({"e": "plain", "lap": int(res.lap), "root": int(root), "token": token})
         if tell_drafter and self.drafter is not None:
@@ -421,6 +440,9 @@ class SpecEngine:
         tokens = [int(t) for t in plan.tokens]
         self._commit([root_token, *tokens])
         gained = [*tokens, int(decision.bonus)]
+        # Token k of the step is the target of row k of the path (the root first); a flow
+        # step handed out its first ``streamed`` before its decision.
+        self.score_tokens(rnd, path, rnd.streamed, len(gained))
         if self.listeners:
             self.emit({"e": "decide", "lap": rnd.lap, "accepted": path,
                         "bonus": int(decision.bonus)})
@@ -431,6 +453,13 @@ class SpecEngine:
             self.drafter.accept(gained)
         self.stats.draft_s += time.perf_counter() - td
         return gained
+
+    def score_tokens(self, rnd: TreeInFlight, rows: Sequence[int], start: int, stop: int
+                     ) -> None:
+        """Queue the log probabilities of a step's tokens ``[start, stop)``, token ``k``
+        being the target of ``rows[k]`` (when the request asked for them)."""
+        if self.want_scores:
+            self.token_scores.extend(rnd.scores.get(int(r)) for r in rows[start:stop])
 
     def emit(self, event: dict) -> None:
         """Hand a tree event to every listener; a failing listener never stops decoding."""

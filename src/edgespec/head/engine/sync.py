@@ -40,6 +40,7 @@ class SyncMode(Mode):
             users = max(users, ctx.sharers())
             policy.observe_lap(rnd.sent_rows, (time.perf_counter() - rnd.t0) * 1e3, users)
             assert rnd.verifier is not None
+            rnd.note(res)
             decision = rnd.verifier.feed_targets(res.targets, 0, rows=res.nodes)
             if decision.status != core.ACCEPTED:
                 raise RuntimeError("whole-tree verification did not reach a decision")
