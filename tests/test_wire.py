@@ -107,6 +107,33 @@ def test_kv_ops_prune_result_control_roundtrip() -> None:
     assert ctl.flags & Flag.NEEDS_REPLY
 
 
+def test_result_with_log_probabilities_roundtrip() -> None:
+    """A RESULT carries its targets' log probabilities and top tokens when the request asked
+    (``TargetScores``): float32 [k, 1 + n] and int32 [k, n], checked against TARGETS."""
+    from edgespec.batch import TargetScores
+    from edgespec.wire.frames import message_result
+
+    logits = np.random.default_rng(3).standard_normal((3, 40)).astype(np.float32)
+    targets = logits.argmax(axis=1).astype(np.int32)
+    b = Batch(np.arange(3, dtype=np.int32), np.arange(3, dtype=np.int32), SeqIds.single(3),
+              np.array([4, 5, 6], np.int32), np.ones(3, bool), lap=9)
+    b.scores = TargetScores.of(logits, targets, 2)
+    z = logits.astype(np.float64)
+    lse = np.log(np.exp(z - z.max(1, keepdims=True)).sum(1)) + z.max(1)
+    np.testing.assert_allclose(b.scores.logprobs[:, 0], z[np.arange(3), targets] - lse, atol=1e-5)
+    np.testing.assert_array_equal(b.scores.top_ids[:, 0], targets)  # greedy: the most likely
+    res = message_result(roundtrip(result_message(b, targets)))
+    np.testing.assert_array_equal(res.targets, targets)
+    np.testing.assert_array_equal(res.scores.top_ids, b.scores.top_ids)
+    np.testing.assert_array_equal(res.scores.logprobs, b.scores.logprobs)
+    assert res.scores.entry(1)[1][0][0] == targets[1]
+    bad = result_message(b, targets)
+    bad.fields[FieldTag.TOP_IDS] = b.scores.top_ids[:2]
+    with pytest.raises(ValueError, match="do not match TARGETS"):
+        message_result(roundtrip(bad))
+    assert message_result(roundtrip(result_message(b.select(np.ones(3, bool)), targets))).scores is None
+
+
 @pytest.mark.parametrize(
     "msg, match",
     [
