@@ -368,7 +368,9 @@ class Ring:
                       *, cancel: threading.Event | None = None, **fields: Any) -> TextStream:
         """Stream from explicit prompt token ids (the chat CLI builds them turn by turn).
         ``params`` (or the ``GenerationParams`` fields as keywords: ``max_tokens``,
-        ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``, ``spec``, ``ignore_eos``)."""
+        ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``, ``spec``, ``ignore_eos``,
+        ``logit_bias``, ``logprobs``: then ``Generation.logprobs`` and the stream's
+        ``logprobs`` hold a ``TokenLogprob`` per token)."""
         return self.stream_prepared(
             self.prepare(prompt_tokens, GenerationParams.of(params, **fields)), cancel)
 
