@@ -100,19 +100,23 @@ class TargetScores:
 
     @classmethod
     def of(cls, logits: np.ndarray, targets: np.ndarray, n: int) -> TargetScores:
-        z = np.asarray(logits, dtype=np.float64)
+        # float32 throughout (the exponentials summed in float64): 0.14 ms a row for Qwen's
+        # 151936 tokens, 0.36 ms with 5 alternatives, 7x less than in float64.
+        z = np.asarray(logits, dtype=np.float32)
         peak = z.max(axis=1, keepdims=True)
-        lse = peak + np.log(np.exp(z - peak).sum(axis=1, keepdims=True))
-        rows = np.arange(len(z))
-        chosen = z[rows, np.asarray(targets, np.int64)] - lse[:, 0]
+        total = np.exp(z - peak).sum(axis=1, keepdims=True, dtype=np.float64)
+        lse = peak + np.log(total).astype(np.float32)
+        chosen = z[np.arange(len(z)), np.asarray(targets, np.int64)] - lse[:, 0]
+        n = min(n, z.shape[1])
         if n > 0:
-            part = np.argpartition(-z, min(n, z.shape[1] - 1), axis=1)[:, :n]
-            order = np.argsort(-np.take_along_axis(z, part, axis=1), axis=1, kind="stable")
+            part = np.argpartition(z, -n, axis=1)[:, -n:]
+            vals = np.take_along_axis(z, part, axis=1)
+            order = np.argsort(-vals, axis=1, kind="stable")
             top = np.take_along_axis(part, order, axis=1)
-            top_lp = np.take_along_axis(z, top, axis=1) - lse
+            top_lp = np.take_along_axis(vals, order, axis=1) - lse
         else:
             top = np.zeros((len(z), 0), np.int64)
-            top_lp = np.zeros((len(z), 0))
+            top_lp = np.zeros((len(z), 0), np.float32)
         return cls(np.concatenate([chosen[:, None], top_lp], axis=1).astype(np.float32),
                    top.astype(np.int32))
 
