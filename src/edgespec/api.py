@@ -329,7 +329,7 @@ class Ring:
                 chunks = slot.session.tokens(request, cancel=cancel, t_start=t_start)
                 try:
                     for chunk in chunks:
-                        piece = out.feed(chunk, engine.last_scores if scored else None)
+                        piece = out.feed(chunk, engine.scores.last if scored else None)
                         if piece:
                             yield piece
                         if out.done:

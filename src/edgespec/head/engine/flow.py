@@ -99,7 +99,7 @@ class FlowMode(Mode):
                             self.prune(rnd, d)
                             # A pending decision's tokens are final: stream them now.
                             if len(d.tokens) > streamed:
-                                ctx.score_tokens(rnd, d.path, streamed, len(d.tokens))
+                                ctx.scores.path(rnd, d.path, streamed, len(d.tokens))
                                 new = [int(t) for t in d.tokens[streamed:]]
                                 streamed = rnd.streamed = len(d.tokens)
                                 yield new

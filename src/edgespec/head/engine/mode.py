@@ -12,7 +12,7 @@ tree pays now and how big it is.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 if TYPE_CHECKING:
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from edgespec.head.chain import Chain
     from edgespec.head.engine.inflight import TreeInFlight
     from edgespec.head.engine.policy import TreePolicy
+    from edgespec.head.engine.scores import ScoreQueue
     from edgespec.head.engine.stats import GenerationStats
     from edgespec.tree import core
     from edgespec.tree.kvop import KvOp
@@ -41,6 +42,8 @@ class StepContext(Protocol):
     #: KV operations due before the next batch (they travel as its ``pre_ops``).
     pending_ops: list[KvOp]
     listeners: list
+    #: The log probabilities of the tokens gained, when asked (a step queues its tokens').
+    scores: ScoreQueue
 
     def sharers(self) -> int:
         """Requests decoding on the ring now, this one included."""
@@ -57,10 +60,6 @@ class StepContext(Protocol):
 
     def finish_tree(self, rnd: TreeInFlight, decision: core.Decision) -> list[int]:
         """Commit a decision (masked rollback) and return the tokens gained."""
-
-    def score_tokens(self, rnd: TreeInFlight, rows: Sequence[int], start: int, stop: int
-                     ) -> None:
-        """Queue the log probabilities of tokens handed out before the step's decision."""
 
     def draft_into(self, tree: core.TokenTree, under_node: int, dt: DraftTree) -> None:
         """Add a drafter's nodes below ``under_node``."""

@@ -20,7 +20,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -33,6 +33,7 @@ from edgespec.head.engine.gain import GainMeter, RingRates
 from edgespec.head.engine.inflight import TreeInFlight, sampling_config
 from edgespec.head.engine.policy import TreePolicy
 from edgespec.head.engine.registry import MODES, resolve
+from edgespec.head.engine.scores import ScoreQueue
 from edgespec.head.engine.stats import GenerationStats
 from edgespec.tree import core
 from edgespec.tree.kvop import KvOp, KvOpCode
@@ -66,10 +67,7 @@ class SpecEngine:
                                  segments=config.segments)
         self.history: list[int] = []  # tokens committed in KV sequence 0 on every stage
         self.stats = GenerationStats()
-        self.want_scores = False  # set per generation (``run``)
-        self.token_scores: list[Any] = []
-        self.last_scores: list[Any] | None = None
-        self._prefill_scores: Any = None
+        self.scores = ScoreQueue()  # the tokens' log probabilities, when asked (``run``)
         # Lap ids name batches on every stage (pruning remembers recent laps): start each head
         # somewhere random so a new head on the same stages never reuses a recent lap id.
         self._lap = secrets.randbits(30)
@@ -143,12 +141,7 @@ class SpecEngine:
                              f"exceeds the context size {self.n_ctx}")
         mode = self.resolve_mode(mode)
         self.stats = GenerationStats(mode=mode, prompt_tokens=len(prompt))
-        # Log probabilities of the tokens gained, in order, while the request asks for them
-        # (``Sampling.logprobs``): each step adds its tokens' (``score_tokens``), and every
-        # chunk handed out takes its own as ``last_scores``.
-        self.want_scores = sampling.logprobs >= 0
-        self.token_scores: list[Any] = []
-        self.last_scores: list[Any] | None = None
+        self.scores = ScoreQueue(sampling.logprobs >= 0)
         self.policy.begin()
         t0 = time.perf_counter()
         t_start = t0 if t_start is None else t_start
@@ -166,8 +159,6 @@ class SpecEngine:
                                     sampling=sampling, root_alone=replay > 0,
                                     while_waiting=begin_drafter)
         assert first is not None  # want_root: the prefill brought the first token
-        if self.want_scores:
-            self.token_scores.append(self._prefill_scores)
         self.stats.prefill_s = time.perf_counter() - t0
         if drafter is not None:
             td = time.perf_counter()
@@ -180,11 +171,9 @@ class SpecEngine:
         steps = self._steps(mode, root, first, sampling)
         try:
             for chunk in steps:
-                full = len(chunk)
+                gained = len(chunk)
                 chunk = chunk[: max_tokens - produced]
-                if self.want_scores:
-                    self.last_scores = self.token_scores[:len(chunk)]
-                    del self.token_scores[:full]
+                self.scores.take(len(chunk), gained)
                 if produced == 0 and chunk:
                     self.stats.ttft_ms = (time.perf_counter() - t_start) * 1e3
                 produced += len(chunk)
@@ -286,7 +275,7 @@ class SpecEngine:
         if not want_root:
             return prompt[-1], None
         assert res is not None and len(res.targets) == 1
-        self._prefill_scores = None if res.scores is None else res.scores.entry(0)
+        self.scores.plain(res)
         self.history.append(prompt[-1])
         return prompt[-1], int(res.targets[0])
 
@@ -354,8 +343,7 @@ class SpecEngine:
         self.stats.accepted_hist[1] += 1
         self._commit([root])
         token = int(res.targets[0])
-        if self.want_scores:
-            self.token_scores.append(None if res.scores is None else res.scores.entry(0))
+        self.scores.plain(res)
         if self.listeners:
             self.emit({"e": "plain", "lap": int(res.lap), "root": int(root), "token": token})
         if tell_drafter and self.drafter is not None:
@@ -440,9 +428,8 @@ class SpecEngine:
         tokens = [int(t) for t in plan.tokens]
         self._commit([root_token, *tokens])
         gained = [*tokens, int(decision.bonus)]
-        # Token k of the step is the target of row k of the path (the root first); a flow
-        # step handed out its first ``streamed`` before its decision.
-        self.score_tokens(rnd, path, rnd.streamed, len(gained))
+        # A flow step handed out its first ``streamed`` tokens before its decision.
+        self.scores.path(rnd, path, rnd.streamed, len(gained))
         if self.listeners:
             self.emit({"e": "decide", "lap": rnd.lap, "accepted": path,
                         "bonus": int(decision.bonus)})
@@ -453,13 +440,6 @@ class SpecEngine:
             self.drafter.accept(gained)
         self.stats.draft_s += time.perf_counter() - td
         return gained
-
-    def score_tokens(self, rnd: TreeInFlight, rows: Sequence[int], start: int, stop: int
-                     ) -> None:
-        """Queue the log probabilities of a step's tokens ``[start, stop)``, token ``k``
-        being the target of ``rows[k]`` (when the request asked for them)."""
-        if self.want_scores:
-            self.token_scores.extend(rnd.scores.get(int(r)) for r in rows[start:stop])
 
     def emit(self, event: dict) -> None:
         """Hand a tree event to every listener; a failing listener never stops decoding."""
