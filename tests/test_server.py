@@ -560,7 +560,8 @@ def test_errors_have_openais_shape(server):
             ("POST", "/v1/completions", {"prompt": "x", "top_k": -1}, 400),
             ("POST", "/v1/chat/completions", {"messages": [{"role": "user"}]}, 400),
             ("GET", "/v1/nowhere", None, 404),
-            ("POST", "/v1/completions", {"prompt": "x", "logprobs": 2}, 400),
+            ("POST", "/v1/completions", {"prompt": "x", "best_of": 2}, 400),
+            ("POST", "/v1/completions", {"prompt": "x", "logprobs": 21}, 400),
             ("POST", "/v1/images/generations", {"prompt": "x"}, 404),
             ("GET", "/v1/completions", None, 405)]:
         status, got = http(method, server.base + path, body)

@@ -307,13 +307,12 @@ class Ring:
         taken now when None."""
         stream = TextStream(iter(()), ticket)
         this = weakref.ref(stream)  # no cycle: a stream dropped unfinished frees its slot now
+        out = OutputProcessor(self.tokenizer, request.params)
+        stream.logprobs = out.logprobs  # grows as the pieces come
+        scored = request.params.logprobs is not None
 
         def pieces() -> Iterator[str]:
             t_start = time.perf_counter()
-            out = OutputProcessor(self.tokenizer, request.params)
-            scored = request.params.logprobs is not None
-            if (held := this()) is not None:
-                held.logprobs = out.logprobs
             with self.scheduler.acquire(request.prompt, ticket, cancel=cancel) as slot:
                 if slot is None:  # cancelled while it waited: it never reached the ring
                     out.cancelled()
