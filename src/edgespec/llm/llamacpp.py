@@ -109,20 +109,6 @@ class Closing:
     that hold llama.cpp memory (models, contexts, stage windows, the draft model). An explicit
     ``close()`` is the contract; ``__del__`` only covers a caller that forgot."""
 
-    def release_output_reserve(self) -> int:
-        """Give back the pages of the logits buffer llama.cpp reserves (and fills) at creation:
-        ``n_vocab`` floats for each of ``n_seq_max`` outputs, 148 MiB for Qwen2.5's vocabulary
-        at 256 sequences. A decode writes only the rows it outputs, so afterwards the buffer is
-        resident as far as outputs were asked for. Call before the first decode. Returns bytes."""
-        logits = llama_cpp.llama_get_logits(self.ptr)
-        address = ctypes.cast(logits, ctypes.c_void_p).value if logits else None
-        if not address:
-            return 0
-        try:
-            return pages.release_range(address, 4 * self.model.n_vocab * self.n_seq_max)
-        except OSError:  # an economy: the context works either way
-            return 0
-
     def close(self) -> None:  # pragma: no cover - every subclass defines it
         raise NotImplementedError
 
@@ -315,6 +301,20 @@ class Context(Closing):
     def memory(self) -> Any:
         """The context's ``llama_memory_t`` (KV cache) handle."""
         return llama_cpp.llama_get_memory(self.ptr)
+
+    def release_output_reserve(self) -> int:
+        """Give back the pages of the logits buffer llama.cpp reserves (and fills) at creation:
+        ``n_vocab`` floats for each of ``n_seq_max`` outputs, 148 MiB for Qwen2.5's vocabulary
+        at 256 sequences. A decode writes only the rows it outputs, so afterwards the buffer is
+        resident as far as outputs were asked for. Call before the first decode. Returns bytes."""
+        logits = llama_cpp.llama_get_logits(self.ptr)
+        address = ctypes.cast(logits, ctypes.c_void_p).value if logits else None
+        if not address:
+            return 0
+        try:
+            return pages.release_range(address, 4 * self.model.n_vocab * self.n_seq_max)
+        except OSError:  # an economy: the context works either way
+            return 0
 
     def close(self) -> None:
         if self._ptr is not None:

@@ -113,10 +113,6 @@ def release_range(address: int, nbytes: int) -> int:
 
 # ------------------------------------------------------------------------------ page cache
 
-#: Bytes per piece :func:`read_once` reads.
-READ_CHUNK = 8 << 20
-
-
 def drop_cached(fd: int, offset: int, length: int) -> None:
     """Drop the clean cached pages of bytes ``[offset, offset + length)`` of ``fd``: data read or
     written once and not needed again soon. A page another process maps stays; where the
@@ -172,7 +168,7 @@ def drop_file_cache(path: str | os.PathLike[str]) -> None:
             os.close(fd)
 
 
-def read_once(path: str | os.PathLike[str], chunk: int = READ_CHUNK) -> Iterator[memoryview]:
+def read_once(path: str | os.PathLike[str], chunk: int) -> Iterator[memoryview]:
     """The bytes of ``path`` in ``chunk``-byte pieces (each valid until the next), every piece
     dropped from the page cache once read: a scan such as hashing a file would otherwise
     leave it all cached on the reader's account, and a second read of pages still cached
