@@ -120,9 +120,6 @@ class TargetScores:
         return cls(np.concatenate([chosen[:, None], top_lp], axis=1).astype(np.float32),
                    top.astype(np.int32))
 
-    def select(self, idx: np.ndarray) -> TargetScores:
-        return TargetScores(self.logprobs[idx], self.top_ids[idx])
-
     def entry(self, i: int) -> tuple[float, list[tuple[int, float]]]:
         """Row ``i``: (the target's log probability, [(token, log probability)] most likely
         first)."""

@@ -8,14 +8,14 @@ chunk), usage counts, stop sequences and errors in OpenAI's shape
 Every request field is checked before the ring sees it (pydantic models in ``requests``): a value
 the ring would refuse (``top_p: 0``, ``temperature: 3``) is a 400 naming the field, so a
 caller's mistake never reaches a stage. A field is honoured or refused, never ignored: an
-OpenAI field this server does not implement (``tools``, ``logprobs``, ``n: 2``) is a 400 naming
-it unless it holds the value that asks for nothing (``n: 1``, ``frequency_penalty: 0``), and a
-field outside the API is a 400 too. An OpenAI endpoint it does not implement
-(``/v1/embeddings``, images, audio) is a 404 in the same shape naming the endpoint. Failures
-during a generation map to statuses by what they mean (``edgespec.errors``): ``RequestError``
-400, ``StageFailure`` 500 with the stage's message, ``RingBusy`` 503 naming the head that
-holds the ring, ``NodeLost``/``RingError`` (a recovery that did not succeed) 503. The ring
-keeps serving after each. A body over ``max_body`` bytes (4 MiB by default) is refused with
+OpenAI field this server does not implement (``tools``, ``presence_penalty: 1``, ``n: 2``) is
+a 400 naming it unless it holds the value that asks for nothing (``n: 1``,
+``frequency_penalty: 0``), and a field outside the API is a 400 too. An OpenAI endpoint it
+does not implement (``/v1/embeddings``, images, audio) is a 404 in the same shape naming the
+endpoint. Failures during a generation map to statuses by what they mean
+(``edgespec.errors``): ``RequestError`` 400, ``StageFailure`` 500 with the stage's message,
+``RingBusy`` 503 naming the head that holds the ring, ``NodeLost``/``RingError`` (a recovery
+that did not succeed) 503. The ring keeps serving after each. A body over ``max_body`` bytes (4 MiB by default) is refused with
 413 from its ``Content-Length`` before it is read; tokenization runs off the event loop, so a
 huge prompt never stalls ``/health``.
 

@@ -228,8 +228,7 @@ class Completions:
 
         if req.stream:
             return StreamingResponse(
-                self._sse(queue, cancel, chat, rid, created, include_usage,
-                          prepared.params.logprobs is not None),
+                self._sse(queue, cancel, chat, rid, created, include_usage),
                 media_type="text/event-stream")
 
         gen: Generation | None = None
@@ -320,8 +319,7 @@ class Completions:
                 "text_offset": offsets}
 
     async def _sse(self, queue: asyncio.Queue, cancel: threading.Event, chat: bool, rid: str,
-                   created: int, include_usage: bool, scored: bool = False
-                   ) -> AsyncIterator[bytes]:
+                   created: int, include_usage: bool) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if chat else "text_completion"
         offset = 0  # completions' text_offset: characters of text before a chunk's tokens
 
@@ -339,11 +337,11 @@ class Completions:
                     d["content"] = delta
                 choice = {"index": 0, "delta": d, "finish_reason": finish,
                           "logprobs": {"content": self._chat_logprobs(scores), "refusal": None}
-                          if scored and scores else None}
+                          if scores else None}
             else:
                 choice = {"index": 0, "text": delta or "", "finish_reason": finish,
                           "logprobs": self._completion_logprobs(scores, offset)
-                          if scored and scores else None}
+                          if scores else None}
                 offset += len(delta or "")
             return event({"id": rid, "object": obj, "created": created, "model": self.model_name,
                           "choices": [choice]})

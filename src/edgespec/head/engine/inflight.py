@@ -4,9 +4,8 @@ the C++ core's types and the engine's (sampling settings, KV operations)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
-from edgespec.batch import Result, Sampling
+from edgespec.batch import Result, Sampling, TargetScores
 from edgespec.tree import core
 
 
@@ -27,14 +26,16 @@ class TreeInFlight:
     verified_rows: int = 0  # rows [0, verified_rows) were fed to the verifier
     frontier: int = 0  # deepest accepted node so far (flow: expansion goes below it)
     frontier_tokens: list[int] = field(default_factory=list)  # accepted tokens down to it
-    # Per row (tree node), its target's log probabilities, when the request asked for them.
-    scores: dict[int, Any] = field(default_factory=dict)
+    # Per row (tree node), where its target's log probabilities are, when the request asked
+    # for them: (the result's ``TargetScores``, its row there). Read only for the rows on the
+    # accepted path (``ScoreQueue.path``).
+    scores: dict[int, tuple[TargetScores, int]] = field(default_factory=dict)
 
     def note(self, res: Result) -> None:
-        """Keep a result's log probabilities by row (``TargetScores``), if it has any."""
+        """Keep where a result's log probabilities are, by row, if it has any."""
         if res.scores is not None:
             for i, node in enumerate(res.nodes.tolist()):
-                self.scores[node] = res.scores.entry(i)
+                self.scores[node] = (res.scores, i)
 
 
 def sampling_config(s: Sampling) -> core.SamplerConfig:

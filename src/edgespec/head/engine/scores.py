@@ -29,7 +29,9 @@ class ScoreQueue:
     def path(self, rnd: TreeInFlight, rows: Sequence[int], start: int, stop: int) -> None:
         """Tokens ``[start, stop)`` of a tree step, token k the target of ``rows[k]``."""
         if self.wanted:
-            self._queue.extend(rnd.scores.get(int(r)) for r in rows[start:stop])
+            for r in rows[start:stop]:
+                scores, i = rnd.scores[int(r)]
+                self._queue.append(scores.entry(i))
 
     def take(self, handed: int, gained: int) -> None:
         """A chunk of ``gained`` tokens, of which the first ``handed`` go out (max_tokens)."""
