@@ -15,9 +15,9 @@ does not implement (``/v1/embeddings``, images, audio) is a 404 in the same shap
 endpoint. Failures during a generation map to statuses by what they mean
 (``edgespec.errors``): ``RequestError`` 400, ``StageFailure`` 500 with the stage's message,
 ``RingBusy`` 503 naming the head that holds the ring, ``NodeLost``/``RingError`` (a recovery
-that did not succeed) 503. The ring keeps serving after each. A body over ``max_body`` bytes (4 MiB by default) is refused with
-413 from its ``Content-Length`` before it is read; tokenization runs off the event loop, so a
-huge prompt never stalls ``/health``.
+that did not succeed) 503. The ring keeps serving after each. A body over ``max_body`` bytes
+(4 MiB by default) is refused with 413 from its ``Content-Length`` before it is read;
+tokenization runs off the event loop, so a huge prompt never stalls ``/health``.
 
 Model names: the served name, the ring's model (the GGUF file's stem), and the ``aliases``
 (e.g. the registry name given to ``--model``, and a path's file name and stem) are all this
