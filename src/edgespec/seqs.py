@@ -1,14 +1,15 @@
 """One partition of a llama.cpp context's sequences between the slots of a ring
 (docs/design.md 5.8), used alike by the stages' contexts (the head's ``SlotChain``) and the
 shared draft context (``DraftSeqs``): with ``parallel=S`` slot ``i`` owns the seq ids
-``[i*W, (i+1)*W)``, ``W = N_SEQ // S``; its local id 0 is its committed text, the others its
-trees' sequences. Neutral ground: the head and the drafters read it."""
+``[i*W, (i+1)*W)``, ``W = n_seq // S`` (``n_seq``: what the ring's contexts hold); its local
+id 0 is its committed text, the others its trees' sequences. Neutral ground: the head and the drafters read it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-#: llama.cpp's limit on sequence ids per context, and what every stage's context holds.
+#: llama.cpp's limit on sequence ids per context, and what a stage's context holds unless
+#: the plan chose fewer to fit in memory (``planner.SEQ_CHOICES``).
 N_SEQ = 256
 
 

@@ -40,6 +40,7 @@ from edgespec.laps import now
 # The one head -> node import (docs/design.md 7): LocalChain runs the node-side
 # StageWorker in the head's own process.
 from edgespec.node.worker import StageWorker
+from edgespec.seqs import N_SEQ
 from edgespec.tree.kvop import KvOp
 
 
@@ -121,4 +122,4 @@ def open_window(model_path: Path, layers: tuple[int, int], fp: str, shard_dir: P
 
     a, b = layers
     path = cut_window(model_path, (a, b), shard_dir / shard_file_name(a, b, fp, model_path.stem))
-    return StageRuntime(path, n_ctx=n_ctx, n_seq_max=256, n_threads=n_threads)
+    return StageRuntime(path, n_ctx=n_ctx, n_seq_max=N_SEQ, n_threads=n_threads)

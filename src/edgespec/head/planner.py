@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from edgespec.head.memory import WINDOW_OVERHEAD, ModelMemory, ends_need, window_need
+from edgespec.seqs import N_SEQ
 
 
 class PlanError(ValueError):
@@ -186,7 +187,7 @@ def plan_ring(n_layer: int, layer_bytes: int, nodes: Sequence[NodeProfile], *,
               rounds: int = 1, batch: int = 1, reserve: float = RESERVE,
               ranges: Sequence[tuple[int, int]] | None = None,
               memory: ModelMemory | None = None, n_ctx: int = 4096,
-              n_seq_max: int = 256) -> Plan:
+              n_seq_max: int = N_SEQ) -> Plan:
     """The plan for ``nodes`` (in ring order). ``ranges`` overrides the split (one range per
     node and round, in ring order).
 
@@ -264,7 +265,7 @@ def plan_ring(n_layer: int, layer_bytes: int, nodes: Sequence[NodeProfile], *,
 #: clears at each end (``memory.logits_bytes``); 64 still fit the largest tree (``memory.TREE_ROWS``) in
 #: one slot, so only a head serving several slots at once (``serve --parallel``) gives its
 #: slots' trees fewer leaves (``edgespec.seqs.slot_width``).
-SEQ_CHOICES = (256, 128, 64)
+SEQ_CHOICES = (N_SEQ, N_SEQ // 2, N_SEQ // 4)
 
 
 def roomy_ends(nodes: Sequence[NodeProfile]) -> list[int]:

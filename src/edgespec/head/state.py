@@ -21,6 +21,7 @@ from typing import Any
 
 from edgespec.errors import RingError
 from edgespec.head.planner import Plan, Window
+from edgespec.seqs import N_SEQ
 
 Address = tuple[str, int]
 
@@ -101,7 +102,7 @@ class RingState:
     encoding: str = "f32"
     n_ctx: int = 4096
     key_file: str | None = None
-    n_seq_max: int = 256  # sequences every stage's context holds (the plan chose them)
+    n_seq_max: int = N_SEQ  # sequences every stage's context holds (the plan chose them)
 
     @property
     def options(self) -> dict[str, Any]:
@@ -143,7 +144,7 @@ class RingState:
                        encoding=_get(d, "encoding", str, "state", "f32"),
                        n_ctx=_get(d, "n_ctx", int, "state", 4096),
                        key_file=_get(d, "key_file", str, "state", None),
-                       n_seq_max=_get(d, "n_seq_max", int, "state", 256))
+                       n_seq_max=_get(d, "n_seq_max", int, "state", N_SEQ))
         except ValueError as e:
             raise RingError(f"the ring state at {source} is unreadable ({e}); run `edgespec "
                             f"ring up` again") from None
@@ -213,7 +214,7 @@ def save_state(chain: Any, model: Path | str, options: dict[str, Any] | None = N
                       encoding=str(opts.get("encoding") or "f32"),
                       n_ctx=int(opts.get("n_ctx") or 4096),
                       key_file=None if opts.get("key_file") is None else str(opts["key_file"]),
-                      n_seq_max=int(getattr(chain, "n_seq_max", 256)))
+                      n_seq_max=int(getattr(chain, "n_seq_max", N_SEQ)))
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     tmp.write_text(json.dumps(state.to_dict(), indent=2))
     os.replace(tmp, path)
