@@ -456,6 +456,37 @@ void bind_verify(py::module_ &m) {
         },
         py::arg("logits"));
     m.def(
+        "mask_rows",
+        [](py::array_t<float, py::array::c_style> logits, py::array_t<int32_t, py::array::c_style> bitmask) {
+            // Constrained decoding: every token whose bit is clear in its row of the grammar's
+            // bitmask (llguidance's layout: bit t % 32 of word t / 32) becomes -inf, in place.
+            if (logits.ndim() != 2 || bitmask.ndim() != 2 || bitmask.shape(0) != logits.shape(0))
+                throw std::invalid_argument("mask_rows: logits [k, vocab] and bitmask [k, words]");
+            const int64_t rows = logits.shape(0), vocab = logits.shape(1), words = bitmask.shape(1);
+            float *l = logits.mutable_data();
+            const uint32_t *b = reinterpret_cast<const uint32_t *>(bitmask.data());
+            const float ninf = -std::numeric_limits<float>::infinity();
+            {
+                py::gil_scoped_release nogil;
+                for (int64_t r = 0; r < rows; ++r) {
+                    float *row = l + r * vocab;
+                    const uint32_t *bits = b + r * words;
+                    for (int64_t w = 0; w * 32 < vocab; ++w) {
+                        const uint32_t word = w < words ? bits[w] : 0u;
+                        if (word == 0xFFFFFFFFu) continue;
+                        const int64_t end = std::min<int64_t>(vocab, (w + 1) * 32);
+                        if (word == 0u) {
+                            std::fill(row + w * 32, row + end, ninf);
+                            continue;
+                        }
+                        for (int64_t t = w * 32; t < end; ++t)
+                            if (!((word >> (t - w * 32)) & 1u)) row[t] = ninf;
+                    }
+                }
+            }
+        },
+        py::arg("logits").noconvert(), py::arg("bitmask").noconvert());
+    m.def(
         "sample_rows",
         [](const py::array &logits, py::handle positions, const SamplerConfig &cfg) {
             const LogitsView l = as_logits(logits);

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from edgespec.errors import RequestError, RingError, TakenOver
+from edgespec.grammar import vocab_tokenizer
 from edgespec.head.chain import Chain
 from edgespec.head.config import HeadConfig
 from edgespec.head.engine import EngineConfig, GenerationStats, SpecEngine
@@ -131,7 +132,8 @@ class Ring:
             if drafter is not None:
                 self._drafters.append(drafter)
             return SpecEngine(ch, drafter=drafter, n_ctx=self.slot_ctx, config=config,
-                              cost=cost, ring_rates=rates, **max_seqs)
+                              cost=cost, ring_rates=rates, vocab=getattr(tokenizer, "model", None),
+                              **max_seqs)
 
         #: Set once another head took the ring over on purpose (``--take-over``): this head
         #: then does not take the nodes back by itself (a recovery would undo the other's
@@ -280,6 +282,12 @@ class Ring:
         if biased:
             raise RequestError(f"logit_bias names token {biased[0]}, outside the vocabulary "
                                f"0..{n_vocab - 1}", "logit_bias")
+        if params.grammar is not None:
+            model = getattr(self.tokenizer, "model", None)
+            if model is None:
+                raise RequestError("this ring's head has no vocabulary to compile a grammar "
+                                   "against", params.grammar.param)
+            params.grammar.check(vocab_tokenizer(model))
         try:  # resolved once, here: the mode the request runs as on this ring
             mode = self.engine.resolve_mode(params.spec or self.default_spec)
         except ValueError as e:
@@ -369,7 +377,10 @@ class Ring:
         ``params`` (or the ``GenerationParams`` fields as keywords: ``max_tokens``,
         ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``, ``spec``, ``ignore_eos``,
         ``logit_bias``, ``logprobs``: then ``Generation.logprobs`` and the stream's
-        ``logprobs`` hold a ``TokenLogprob`` per token)."""
+        ``logprobs`` hold a ``TokenLogprob`` per token; ``frequency_penalty``,
+        ``presence_penalty``, ``repeat_penalty``; what the text must match: ``json_schema=``
+        (a dict), ``response_format=`` (OpenAI's), ``regex=``, ``lark=`` or ``grammar=``
+        (an ``edgespec.grammar.Grammar``))."""
         return self.stream_prepared(
             self.prepare(prompt_tokens, GenerationParams.of(params, **fields)), cancel)
 

@@ -6,6 +6,7 @@ read these types, and none of them owns them (docs/design.md 7).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -19,7 +20,16 @@ class Sampling:
     """How the last stage picks the target token of a row. temperature 0 = greedy (argmax).
     ``bias``: (token id, value) pairs added to every row's logits first (OpenAI's
     ``logit_bias``), so the target distribution, and with it every mode's output, includes
-    them."""
+    them.
+
+    ``grammar`` (llguidance's grammar text) and ``penalties`` (frequency, presence,
+    repetition) make a row's distribution depend on the text before it: the generated text
+    up to the step's root (``text``) and, below the root, the row's own path through the
+    step's tree (``tree``: each tree node's parent and token, node 0 being the root). The
+    engine attaches both to each batch it sends (``for_rows``); the last stage follows each
+    wanted row's path (``edgespec.node.constraints``) and draws from that row's own
+    distribution, so a drafted token is accepted only where the constrained target would
+    draw it (docs/design.md 6.10)."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -29,15 +39,61 @@ class Sampling:
     #: -1: no log probabilities; n >= 0: each target's, and the n most likely tokens' with
     #: theirs (``TargetScores``), computed where the target is drawn.
     logprobs: int = -1
+    grammar: str | None = None
+    penalties: tuple[float, float, float] = (0.0, 0.0, 1.0)
+    #: Per batch, where ``follows_text``: the generated tokens up to and including the root.
+    text: tuple[int, ...] = ()
+    #: Per batch: (parents, tokens) of the tree nodes 0..m-1 (node 0 the root, its parent -1);
+    #: a wanted row whose node is 0 or not in it (a plain lap, a prefill) follows ``text``.
+    tree: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
 
     #: The largest bias magnitude (OpenAI's range): -100 bans a token, +100 forces it.
     MAX_BIAS = 100.0
     #: The most alternatives ``logprobs`` may ask for (OpenAI's ``top_logprobs`` limit).
     MAX_TOP = 20
 
+    #: Limits on what a received META may carry (the context a ring holds, the widest tree).
+    MAX_TEXT = 1 << 17
+    MAX_TREE = 4096
+    MAX_GRAMMAR = 1 << 20
+    #: Generated tokens the repetition penalty looks back over (llama.cpp's default).
+    REPEAT_WINDOW = 64
+
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+    @property
+    def follows_text(self) -> bool:
+        """Whether a row's distribution depends on the text before it (a grammar, a
+        penalty): then each batch carries ``text`` and ``tree``."""
+        return self.grammar is not None or self.penalties != (0.0, 0.0, 1.0)
+
+    def for_rows(self, text: Sequence[int], parents: Sequence[int] = (),
+                 tokens: Sequence[int] = ()) -> Sampling:
+        """This sampling with one batch's context (``text``, ``tree``), where it needs one."""
+        if not self.follows_text:
+            return self
+        return dataclasses.replace(self, text=tuple(int(t) for t in text),
+                                   tree=(tuple(int(p) for p in parents),
+                                         tuple(int(t) for t in tokens)))
+
+    def paths(self, nodes: Sequence[int]) -> list[list[int]]:
+        """The text each of these tree nodes' targets follows: ``text`` and the node's path
+        below the root."""
+        parents, tokens = self.tree
+        memo: dict[int, list[int]] = {}
+
+        def below(n: int) -> list[int]:
+            if n <= 0 or n >= len(parents):
+                return []
+            got = memo.get(n)
+            if got is None:
+                got = memo[n] = [*below(parents[n]), tokens[n]]
+            return got
+
+        base = list(self.text)
+        return [base + below(int(n)) for n in nodes]
 
     def as_meta(self) -> dict:
         meta = {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p,
@@ -46,6 +102,13 @@ class Sampling:
             meta["logit_bias"] = [[t, v] for t, v in self.bias]
         if self.logprobs >= 0:
             meta["logprobs"] = self.logprobs
+        if self.grammar is not None:
+            meta["grammar"] = self.grammar
+        if self.penalties != (0.0, 0.0, 1.0):
+            meta["penalties"] = list(self.penalties)
+        if self.follows_text:
+            meta["text"] = list(self.text)
+            meta["tree"] = [list(self.tree[0]), list(self.tree[1])]
         return meta
 
     @classmethod
@@ -65,9 +128,32 @@ class Sampling:
         if type(logprobs) is not int or not -1 <= logprobs <= cls.MAX_TOP:
             raise ValueError(f"META.sampling.logprobs must be -1..{cls.MAX_TOP}, got "
                              f"{logprobs!r}")
+        grammar = meta.get("grammar")
+        if grammar is not None and (type(grammar) is not str
+                                    or len(grammar) > cls.MAX_GRAMMAR):
+            raise ValueError(f"META.sampling.grammar must be text of at most "
+                             f"{cls.MAX_GRAMMAR} characters")
+        penalties = meta.get("penalties", [0.0, 0.0, 1.0])
+        if (not isinstance(penalties, list) or len(penalties) != 3
+                or any(type(v) not in (int, float) for v in penalties)
+                or not (-2.0 <= penalties[0] <= 2.0 and -2.0 <= penalties[1] <= 2.0
+                        and 0.0 < penalties[2] <= 10.0)):
+            raise ValueError(f"META.sampling.penalties: bad value {penalties!r}")
+        text = meta.get("text", [])
+        tree = meta.get("tree", [[], []])
+        if not isinstance(text, list) or len(text) > cls.MAX_TEXT or not _token_ids(text):
+            raise ValueError("META.sampling.text must be a list of token ids")
+        if (not isinstance(tree, list) or len(tree) != 2 or not isinstance(tree[0], list)
+                or not isinstance(tree[1], list) or len(tree[0]) != len(tree[1])
+                or len(tree[0]) > cls.MAX_TREE or not _token_ids(tree[1])
+                or any(type(p) is not int or not -1 <= p < i for i, p in enumerate(tree[0]))):
+            raise ValueError("META.sampling.tree must be [parents, tokens], each parent "
+                             "before its node")
         return cls(float(meta.get("temperature", 0.0)), int(meta.get("top_k", 0)),
                    float(meta.get("top_p", 1.0)), int(meta.get("seed", 0)), tuple(pairs),
-                   logprobs)
+                   logprobs, grammar, (float(penalties[0]), float(penalties[1]),
+                                       float(penalties[2])),
+                   tuple(text), (tuple(tree[0]), tuple(tree[1])))
 
     def biased(self, logits: np.ndarray) -> np.ndarray:
         """``logits`` (rows x vocabulary) with the bias added, as a new float32 array; the
@@ -82,6 +168,10 @@ class Sampling:
         out = np.array(logits, dtype=np.float32, copy=True)
         out[..., ids] += np.fromiter((v for _, v in self.bias), np.float32, len(self.bias))
         return out
+
+
+def _token_ids(values: list) -> bool:
+    return all(type(t) is int and 0 <= t < 1 << 31 for t in values)
 
 
 #: Tokens one request may bias (OpenAI allows 300): the list rides in every batch's META.

@@ -17,6 +17,7 @@ from typing import Any
 
 from edgespec.batch import MAX_BIASED_TOKENS, Sampling
 from edgespec.errors import RequestError
+from edgespec.grammar import Grammar
 from edgespec.head.engine.registry import SPEC_MODES
 
 
@@ -81,6 +82,16 @@ class GenerationParams:
     #: None: no log probabilities; n in 0..20: each token's, and the n most likely tokens'
     #: there (``Generation.logprobs``), from the distribution the last stage draws from.
     logprobs: int | None = None
+    #: What the text must match (``edgespec.grammar.Grammar``: a JSON schema, any JSON
+    #: object, a Lark grammar or a regex); None: free text.
+    grammar: Grammar | None = None
+    #: OpenAI's penalties, in [-2, 2]: subtracted from a token's logit once per time it came
+    #: in the generated text so far (frequency) and once if it came at all (presence).
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    #: llama.cpp's repetition penalty over the last ``Sampling.REPEAT_WINDOW`` generated
+    #: tokens: a positive logit divided by it, a negative one multiplied (1 = off).
+    repeat_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise the fields once, here
@@ -115,11 +126,36 @@ class GenerationParams:
             if not 0 <= self.logprobs <= Sampling.MAX_TOP:
                 raise RequestError(f"logprobs must be in 0..{Sampling.MAX_TOP} (alternatives "
                                    f"per token), got {self.logprobs}", "logprobs")
+        if self.grammar is not None and not isinstance(self.grammar, Grammar):
+            raise RequestError(f"grammar must be an edgespec.grammar.Grammar, got "
+                               f"{type(self.grammar).__name__}", "grammar")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = _number(name, getattr(self, name), float)
+            if not -2.0 <= value <= 2.0:
+                raise RequestError(f"{name} must be in [-2, 2], got {value}", name)
+            set_(self, name, value)
+        set_(self, "repeat_penalty", _number("repeat_penalty", self.repeat_penalty, float))
+        if not 0.0 < self.repeat_penalty <= 10.0:
+            raise RequestError(f"repeat_penalty must be in (0, 10] (1 = off), got "
+                               f"{self.repeat_penalty}", "repeat_penalty")
 
     @classmethod
     def of(cls, params: GenerationParams | None = None, **fields: Any) -> GenerationParams:
         """``params`` with ``fields`` replaced (or new params from ``fields``); TypeError
-        names a field that does not exist."""
+        names a field that does not exist. What the text must match may also be given as
+        ``json_schema`` (a dict or its JSON), ``response_format`` (OpenAI's), ``regex`` or
+        ``lark``: each becomes the ``grammar``."""
+        shapes = {"json_schema": Grammar.json_schema, "response_format":
+                  Grammar.from_response_format, "regex": Grammar.regex, "lark": Grammar.lark}
+        given = [k for k in (*shapes, "grammar") if fields.get(k) is not None]
+        if len(given) > 1:
+            raise RequestError(f"give one of {', '.join(given)}: each sets what the text must "
+                               "match", given[1])
+        for key, make in shapes.items():
+            if key in fields:
+                value = fields.pop(key)
+                if value is not None:
+                    fields["grammar"] = make(value, param=key)
         if unknown := set(fields) - {f.name for f in dataclasses.fields(cls)}:
             raise TypeError(f"unexpected arguments: {sorted(unknown)}")
         if params is None:
@@ -134,7 +170,10 @@ class GenerationParams:
         """What the last stage draws with."""
         return Sampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
                         seed=self.seed, bias=self.logit_bias,
-                        logprobs=-1 if self.logprobs is None else self.logprobs)
+                        logprobs=-1 if self.logprobs is None else self.logprobs,
+                        grammar=None if self.grammar is None else self.grammar.text,
+                        penalties=(self.frequency_penalty, self.presence_penalty,
+                                   self.repeat_penalty))
 
 
 @dataclass(frozen=True)

@@ -360,6 +360,13 @@ class StageRuntime(llamacpp.Closing):
     def closed(self) -> bool:
         return self._ctx is None
 
+    @property
+    def model(self) -> llamacpp.Model:
+        """The window's llama.cpp model (the last window's vocabulary compiles grammars)."""
+        self._require_open()
+        assert self._model is not None
+        return self._model
+
     def _require_open(self) -> None:
         if self._ctx is None:
             raise StageError(f"stage {self.layer_range} is closed")

@@ -15,6 +15,7 @@ import numpy as np
 
 from edgespec.batch import Batch, Sampling, TargetScores
 from edgespec.laps import cpu_now, now
+from edgespec.node.constraints import RowConstraints
 from edgespec.node.merge import concat_batches
 from edgespec.tree.kvop import KvOp, KvOpCode
 
@@ -31,13 +32,19 @@ def pick_targets(logits: np.ndarray, pos: np.ndarray, sampling: Sampling) -> np.
     return draw(logits, pos, sampling)[0]
 
 
-def draw(logits: np.ndarray, pos: np.ndarray, sampling: Sampling
+def draw(logits: np.ndarray, pos: np.ndarray, sampling: Sampling,
+         nodes: np.ndarray | None = None, constraints: RowConstraints | None = None
          ) -> tuple[np.ndarray, TargetScores | None]:
     """The targets (``pick_targets``), and their ``TargetScores`` when the sampling asks for
-    log probabilities."""
+    log probabilities. Where the sampling follows the text (a grammar, penalties), each row
+    is first shaped by ``constraints`` along the path of its tree node (``nodes``)."""
     from edgespec.tree import core
 
     logits = sampling.biased(logits)
+    if sampling.follows_text:
+        if constraints is None or nodes is None:
+            raise ValueError("a grammar or penalties need the stage's row constraints")
+        logits = constraints.apply(logits, nodes, sampling)
     if sampling.greedy:
         targets = core.argmax_rows(np.ascontiguousarray(logits, dtype=np.float32))
     else:
@@ -69,6 +76,9 @@ class StageWorker:
         self._pending_ops: list[KvOp] = []
         self._lock = threading.Lock()  # prune() comes from another thread on a node
         self.stamp_windows = False  # LocalChain: stamp every window (edgespec.laps)
+        # The last window's grammar masks and penalties (its vocabulary is the model's).
+        self.constraints = (RowConstraints(self.runtimes[-1])
+                            if is_last and self.runtimes else None)
 
     def prune(self, lap: int, nodes: Iterable[int], ops: Sequence[KvOp]) -> None:
         with self._lock:
@@ -134,7 +144,8 @@ class StageWorker:
                 batch.timing.append([i, t_prev, t_prev, t, cpu - cpu_prev])
                 t_prev, cpu_prev = t, cpu
         if self.is_last:
-            targets, batch.scores = draw(x, batch.pos[batch.want], batch.sampling)
+            targets, batch.scores = draw(x, batch.pos[batch.want], batch.sampling,
+                                         batch.nodes[batch.want], self.constraints)
             return batch, targets
         return batch, x
 
@@ -214,7 +225,8 @@ class StageWorker:
             k = int(np.count_nonzero(b.want))
             try:
                 if k:
-                    targets, b.scores = draw(x[r:r + k], b.pos[b.want], b.sampling)
+                    targets, b.scores = draw(x[r:r + k], b.pos[b.want], b.sampling,
+                                             b.nodes[b.want], self.constraints)
                 else:
                     targets = np.zeros(0, dtype=np.int32)
                 res.append((b, targets))

@@ -197,6 +197,13 @@ class Verifier:
         return _core.sample_rows(logits, np.asarray(positions, np.int32), self.config)
 
 
+def mask_rows(logits: np.ndarray, bitmask: np.ndarray) -> None:
+    """Set to -inf, in place, every token of float32 ``logits`` [k, vocab] whose bit is clear
+    in its row of ``bitmask`` (int32 [k, words], llguidance's layout: bit t % 32 of word
+    t // 32; words past the bitmask's end count as clear)."""
+    _core.mask_rows(logits, bitmask)
+
+
 def argmax_rows(logits: np.ndarray) -> np.ndarray:
     """Argmax of each float32 row (lowest id among ties), GIL released, one thread."""
     return _core.argmax_rows(logits)

@@ -10,6 +10,9 @@ seq ids of the leaves below it, and each leaf seq first receives the committed p
 decision the accepted path is copied into sequence 0 and every other sequence is dropped:
 masked rollback, nothing recomputed. Those operations travel as ``pre_ops`` of the next batch,
 so they reach each stage in order behind the rows they clean up.
+
+Over 450 lines: the lifecycle and the step operations share one state (history, laps, KV
+operations waiting) that every mode drives; split, each half would reach into the other.
 """
 
 from __future__ import annotations
@@ -20,12 +23,13 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from edgespec.batch import Batch, Sampling, SeqIds
 from edgespec.drafters.base import Drafter, DraftTree
+from edgespec.drafters.constrained import constrained_drafter
 from edgespec.head.chain import Chain
 from edgespec.head.engine.config import EngineConfig
 from edgespec.head.engine.cost import CostModel
@@ -50,8 +54,13 @@ class SpecEngine:
 
     def __init__(self, chain: Chain, *, drafter: Drafter | None = None, n_ctx: int = 4096,
                  config: EngineConfig | None = None, cost: CostModel | None = None,
-                 ring_rates: RingRates | None = None, max_seqs: int = core.MAX_SEQS) -> None:
+                 ring_rates: RingRates | None = None, max_seqs: int = core.MAX_SEQS,
+                 vocab: Any = None) -> None:
         config = config or EngineConfig()
+        # The head's llama.cpp model (a vocabulary is enough): grammars' matchers for drafting.
+        self.vocab = vocab
+        # Where the generated text starts in ``history`` (``Sampling.for_rows``).
+        self._text_start = 0
         self.chain = chain
         # Tree leaves at most (each owns a seq id 1..max_seqs): a slot of a ring serving
         # several sequences owns fewer seq ids (edgespec.head.slots).
@@ -132,6 +141,20 @@ class SpecEngine:
         (docs/design.md 5.8), and the first step (plain or tree) hangs below it. A drafter
         reads the prompt while the prefill is in flight.
         """
+        unconstrained = self.drafter
+        if (params.grammar is not None and self.drafter is not None and self.vocab is not None
+                and self.resolve_mode(mode) != "none"):
+            # This generation drafts what the grammar forces, and only what it allows.
+            self.drafter = constrained_drafter(self.drafter, self.vocab, params.grammar.text,
+                                               [int(t) for t in prompt[len(prompt) - replay:]])
+        try:
+            yield from self._generate(prompt, params, mode, cancel, replay, t_start)
+        finally:
+            self.drafter = unconstrained
+
+    def _generate(self, prompt: Sequence[int], params: GenerationParams, mode: str,
+                  cancel: threading.Event | None, replay: int, t_start: float | None
+                  ) -> Iterator[list[int]]:
         prompt = [int(t) for t in prompt]
         max_tokens, sampling = params.max_tokens, params.sampling
         if not prompt:
@@ -140,6 +163,7 @@ class SpecEngine:
             raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) "
                              f"exceeds the context size {self.n_ctx}")
         mode = self.resolve_mode(mode)
+        self._text_start = len(prompt) - replay
         self.stats = GenerationStats(mode=mode, prompt_tokens=len(prompt))
         self.scores = ScoreQueue(sampling.logprobs >= 0)
         self.policy.begin()
@@ -263,7 +287,8 @@ class SpecEngine:
                 want[-1] = True
             self._submit(Batch(np.array(part, np.int32), pos, SeqIds.single(n),
                                np.arange(n, dtype=np.int32), want, lap=self._new_lap(),
-                               sampling=sampling if last and sampling else Sampling()))
+                               sampling=(sampling.for_rows(prompt[self._text_start:])
+                                         if last and sampling else Sampling())))
         res = None
         try:
             if while_waiting is not None:
@@ -330,7 +355,8 @@ class SpecEngine:
         t = time.perf_counter()
         self._submit(Batch(np.array([root], np.int32), np.array([pos], np.int32),
                            SeqIds.single(1), np.zeros(1, np.int32), np.ones(1, bool),
-                           lap=self._new_lap(), sampling=sampling))
+                           lap=self._new_lap(),
+                           sampling=sampling.for_rows([*self.history[self._text_start:], root])))
         res = self.chain.next_result()
         self.stats.lap_timing.got(res)
         waited = time.perf_counter() - t
@@ -398,6 +424,9 @@ class SpecEngine:
         else:
             rnd.verifier.extend(tokens_all[start:stop], parents_all[start:stop], start)
         kv = KvOp.rows(ordered.ops)
+        # Each row's distribution may depend on its path (a grammar, penalties).
+        sampling = sampling.for_rows([*self.history[self._text_start:], int(rnd.tree.root_token)],
+                                     parents_all[:stop], tokens_all[:stop])
         count = max(1, min(n_segments, stop - start))
         bounds = rnd.tree.segment_bounds(count=count, start=start, stop=stop).tolist()
         for a, b in zip(bounds[:-1], bounds[1:], strict=True):
