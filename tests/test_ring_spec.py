@@ -9,6 +9,9 @@ checked on float32 tiny models in test_spec_tiny.py."""
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 from ring_fixtures import assert_same_greedy, unsplit_greedy
 
@@ -152,3 +155,47 @@ def test_ignore_eos_goes_on_to_max_tokens(ring2, mode):
     assert long.tokens[:k] == short.tokens
     assert ring2.tokenizer.is_eog(long.tokens[k])  # kept, as a token without text
     assert long.text.startswith(short.text)
+
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string"}, "age": {"type": "integer"},
+    "languages": {"type": "array", "items": {"type": "string"}, "maxItems": 3}},
+    "required": ["name", "age", "languages"], "additionalProperties": False}
+
+
+def test_json_schema_output_is_valid_and_the_same_in_every_mode(ring2):
+    """The last stage masks each row by the grammar after its own path, and the head drafts
+    the forced tokens: every mode answers the schema, with the same greedy text (a 2-process
+    ring, retrieval drafts and the grammar's jump-forward drafts)."""
+    head = _head(ring2, RetrievalDrafter())
+    msgs = [{"role": "user", "content": "Describe a fictional programmer as JSON."}]
+    got = {}
+    for mode in ("none", "sync", "flow"):
+        head.reset()
+        gen = head.chat(msgs, max_tokens=64, spec=mode, json_schema=SCHEMA)
+        value = json.loads(gen.text)
+        assert set(value) == {"name", "age", "languages"}, gen.text
+        assert isinstance(value["name"], str) and isinstance(value["age"], int)
+        assert all(isinstance(x, str) for x in value["languages"])
+        assert len(value["languages"]) <= 3 and gen.finish_reason == "stop"
+        got[mode] = gen.tokens
+    assert got["sync"] == got["none"] and got["flow"] == got["none"]
+    head.reset()
+    phone = head.generate("My phone number is", max_tokens=12, spec="flow",
+                          regex=r" \d{3}-\d{4}").text
+    assert re.fullmatch(r" \d{3}-\d{4}", phone), phone
+
+
+def test_penalties_follow_each_rows_path_in_every_mode(ring2, none_outputs):
+    """Frequency, presence and repetition penalties count the generated text along each tree
+    row's own path: greedy output is the same in every mode (the repetitive prompt, where
+    retrieval drafts are accepted), and differs from the unpenalised one."""
+    prompt = PROMPTS[3]
+    head = _head(ring2, RetrievalDrafter())
+    got = {}
+    for mode in ("none", "sync", "flow"):
+        head.reset()
+        got[mode] = head.generate(prompt, max_tokens=24, spec=mode, frequency_penalty=0.8,
+                                  presence_penalty=0.4, repeat_penalty=1.2).tokens
+    assert got["sync"] == got["none"] and got["flow"] == got["none"]
+    assert got["none"] != none_outputs[3][:24]

@@ -3,7 +3,9 @@ shapes) against a server process over a local ring of two node processes, with t
 Qwen2.5-Coder-0.5B.
 
 Checked: both endpoints streaming and not, usage counts, stop sequences, OpenAI-shaped
-errors, every request field validated before the ring sees it (a value the stages' sampler
+errors, structured output (response_format) in every speculative mode, forced tool calls and
+a tool conversation (call, result, answer), every request field validated before the ring
+sees it (a value the stages' sampler
 refuses is a 400 and the ring serves on without a rebuild), the model names clients use, a
 body limit answered from Content-Length, /health answering while a huge prompt is tokenized,
 greedy answers equal to the unsplit model's, 8 concurrent clients x 5 requests equal to the
@@ -130,19 +132,8 @@ def test_valid_requests_and_defaults():
 _CHAT, _COMPLETION, _BOTH = (True,), (False,), (True, False)
 UNSUPPORTED = [
     ({"n": 2}, _BOTH, "n", "'n'"), ({"n": True}, _BOTH, "n", "'n'"),
-    ({"frequency_penalty": 0.5}, _BOTH, "frequency_penalty", "'frequency_penalty'"),
-    ({"frequency_penalty": False}, _BOTH, "frequency_penalty", "'frequency_penalty'"),
-    ({"presence_penalty": -1}, _BOTH, "presence_penalty", "'presence_penalty'"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"},
-     _CHAT, "tools", "'tools'"),
-    ({"tool_choice": "required"}, _CHAT, "tool_choice", "'tool_choice'"),
-    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, _CHAT, "tool_choice",
-     "'tool_choice'"),
-    ({"parallel_tool_calls": False}, _CHAT, "parallel_tool_calls", "'parallel_tool_calls'"),
     ({"functions": [{"name": "f"}]}, _CHAT, "functions", "'functions'"),
     ({"function_call": {"name": "f"}}, _CHAT, "function_call", "'function_call'"),
-    ({"response_format": {"type": "json_object"}}, _CHAT, "response_format",
-     "'response_format'"),
     ({"modalities": ["text", "audio"]}, _CHAT, "modalities", "'modalities'"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, _CHAT, "audio", "'audio'"),
     ({"prediction": {"type": "content", "content": "x"}}, _CHAT, "prediction", "'prediction'"),
@@ -159,9 +150,8 @@ UNSUPPORTED = [
     ({"messages": [{"role": "user", "content": "x", "name": "ann"}]}, _CHAT, "messages",
      "'messages[0].name'"),
     ({"messages": [{"role": "user", "content": "x"},
-                   {"role": "assistant", "content": "y",
-                    "tool_calls": [{"id": "1", "type": "function"}]}]}, _CHAT, "messages",
-     "'messages[1].tool_calls'"),
+                   {"role": "assistant", "content": "y", "function_call": {"name": "f"}}]},
+     _CHAT, "messages", "'messages[1].function_call'"),
     ({"messages": [{"role": "assistant", "content": "y", "refusal": "no"}]}, _CHAT,
      "messages", "'messages[0].refusal'"),
 ]
@@ -243,8 +233,12 @@ def test_neutral_values_of_unimplemented_fields_are_accepted(body, chats):
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x",
                                                   "cache_control": {"type": "ephemeral"}}]}]},
      _CHAT, "messages", "'messages[0].content[0].cache_control'"),
-    ({"messages": [{"role": "tool", "content": "1", "tool_call_id": "c"}]}, _CHAT, "messages",
-     "'messages[0].tool_call_id'"),
+    ({"messages": [{"role": "tool", "content": "1", "tool_call_id": "c", "tool_name": "f"}]},
+     _CHAT, "messages", "'messages[0].tool_name'"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "args": {}}}]}, _CHAT,
+     "tools", "'tools[0].function.args'"),
+    ({"tool_choice": {"type": "function", "name": "f"}}, _CHAT, "tool_choice",
+     "'tool_choice.name'"),
 ])
 def test_fields_outside_the_api_are_refused_naming_them(body, chats, param, name):
     for chat, base in _bases(chats):
@@ -253,6 +247,146 @@ def test_fields_outside_the_api_are_refused_naming_them(body, chats, param, name
         assert err.value.status == 400 and err.value.param == param
         assert err.value.code == "unknown_parameter"
         assert f"unknown field {name}: not supported by this server" == str(err.value)
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+_USER = {"messages": [{"role": "user", "content": "x"}]}
+
+
+def test_penalties_reach_the_generation_params():
+    for chat, base in _bases(_BOTH):
+        p = generation_params(parse_request({**base, "frequency_penalty": 0.5,
+                                             "presence_penalty": -2, "repeat_penalty": 1.1},
+                                            chat), 16)
+        assert (p.frequency_penalty, p.presence_penalty, p.repeat_penalty) == (0.5, -2.0, 1.1)
+        plain = generation_params(parse_request(base, chat), 16)
+        assert (plain.frequency_penalty, plain.presence_penalty, plain.repeat_penalty) == \
+            (0.0, 0.0, 1.0)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"frequency_penalty": 2.5}, "frequency_penalty"),
+    ({"frequency_penalty": False}, "frequency_penalty"),
+    ({"presence_penalty": -3}, "presence_penalty"),
+    ({"presence_penalty": "1"}, "presence_penalty"),
+    ({"repeat_penalty": 0}, "repeat_penalty"), ({"repeat_penalty": 11}, "repeat_penalty"),
+])
+def test_penalties_out_of_range_are_400s_naming_them(body, param):
+    for chat, base in _bases(_BOTH):
+        with pytest.raises(_BadRequest) as err:
+            parse_request({**base, **body}, chat)
+        assert err.value.param == param and err.value.status == 400
+        assert param in str(err.value)
+
+
+def test_response_format_becomes_the_grammar():
+    def grammar(rf):
+        return generation_params(parse_request({**_USER, "response_format": rf}, True),
+                                 16).grammar
+
+    assert grammar({"type": "text"}) is None and grammar(None) is None
+    assert grammar({"type": "json_object"}).kind == "json_object"
+    g = grammar({"type": "json_schema", "json_schema": {
+        "name": "person", "strict": True,
+        "schema": {"type": "object", "properties": {"age": {"type": "integer"}}}}})
+    assert g.kind == "json_schema" and json.loads(g.source)["properties"] == {
+        "age": {"type": "integer"}}
+
+
+@pytest.mark.parametrize("rf, says", [
+    ({"type": "xml"}, "must be text, json_object or json_schema"),
+    ({"type": "json_schema"}, "'response_format.json_schema' must be an object"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object",
+                                                                    "minProperties": "x"}}},
+     "minProperties"),
+    ({"type": "json_object", "schema": {}}, "unexpected key 'schema'"),
+    ("json", "must be an object with a 'type'"),
+])
+def test_bad_response_formats_are_400s_naming_the_field(rf, says):
+    with pytest.raises(_BadRequest) as err:
+        generation_params(parse_request({**_USER, "response_format": rf}, True), 16)
+    assert err.value.param == "response_format" and err.value.status == 400
+    assert says in str(err.value)
+
+
+def test_tools_and_tool_choice_make_the_grammar():
+    def params(**body):
+        return generation_params(parse_request({**_USER, "tools": [WEATHER], **body}, True), 16)
+
+    assert params().grammar is None  # auto: the model is free, its text is parsed
+    assert params(tool_choice="none").grammar is None
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        g = params(tool_choice=choice).grammar
+        assert g.kind == "lark" and '"get_weather"' in g.text and g.param == "tools"
+    one = params(tool_choice="required", parallel_tool_calls=False).grammar
+    assert "calls: tagged | body" in one.source
+    auto_one = params(parallel_tool_calls=False).grammar
+    assert auto_one.source.startswith("start: TEXT | TEXT? tagged | body")
+    either = params(response_format={"type": "json_object"}).grammar
+    assert either.source.startswith("start: answer | calls")
+    # tool_choice "none": the response_format alone.
+    assert params(tool_choice="none", response_format={"type": "json_object"}).grammar.kind \
+        == "json_object"
+
+
+@pytest.mark.parametrize("body, param, says", [
+    ({"tools": [WEATHER, WEATHER]}, "tools", "names function 'get_weather' twice"),
+    ({"tools": [{"type": "function", "function": {"name": "get weather"}}]}, "tools",
+     "'tools' must be a list"),
+    ({"tools": [{"type": "code_interpreter"}]}, "tools", "'tools' must be a list"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "minProperties": "x"}}}], "tool_choice": "required"}, "tools",
+     "minProperties"),
+    ({"tool_choice": "required"}, "tool_choice", "there are no 'tools'"),
+    ({"tools": [], "tool_choice": {"type": "function", "function": {"name": "f"}}},
+     "tool_choice", "there are no 'tools'"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "f"}}},
+     "tool_choice", "names function 'f', which is not in 'tools'"),
+    ({"tools": [WEATHER], "tool_choice": "any"}, "tool_choice", "'tool_choice' must be"),
+    ({"tools": [WEATHER], "parallel_tool_calls": "no"}, "parallel_tool_calls", "true or false"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type":
+                                                                          "json_object"}},
+     "response_format", "cannot be combined"),
+    ({"messages": [{"role": "assistant", "content": None}]}, "messages",
+     "'messages[0].content' is required"),
+    ({"messages": [{"role": "tool", "content": "sunny"}]}, "messages",
+     "'messages[0].tool_call_id' is required"),
+    ({"messages": [{"role": "user", "content": "x", "tool_call_id": "c"}]}, "messages",
+     "'messages[0].tool_call_id' is required in a tool message and only there"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
+     "messages", "belongs to assistant messages"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": {}}}]}]},
+     "messages", "'messages' must be"),
+])
+def test_tool_requests_are_checked_naming_the_field(body, param, says):
+    with pytest.raises(_BadRequest) as err:
+        generation_params(parse_request({**_USER, **body}, True), 16)
+    assert err.value.param == param and err.value.status == 400
+    assert says in str(err.value)
+
+
+def test_a_tool_conversation_is_accepted_and_rendered_for_the_template():
+    from edgespec.server.chat_input import chat_input
+
+    req = parse_request({"messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text",
+                                                                "text": "sunny"}]}],
+        "tools": [WEATHER]}, True)
+    msgs, tools = chat_input(req)
+    assert msgs[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert msgs[2] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
+    assert tools[0]["function"]["name"] == "get_weather"
+    assert chat_input(parse_request({**req.model_dump(exclude_none=True),
+                                     "tool_choice": "none"}, True))[1] is None
 
 
 def test_ring_failures_map_to_statuses():
@@ -528,6 +662,149 @@ def test_completion_usage_and_stop_sequence(server, alone):
     assert r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length"
 
 
+# Structured output and tools. The prompts are ones the model answers otherwise on its own:
+# unconstrained, "Describe a cat in JSON." starts a Markdown code block of other keys, and
+# "Hi! How are you?" calls nothing; the checks pass only where the grammar took effect.
+CAT = {"type": "object", "additionalProperties": False, "required": ["name", "age", "indoor"],
+       "properties": {"name": {"type": "string", "maxLength": 20},
+                      "age": {"type": "integer", "minimum": 0, "maximum": 30},
+                      "indoor": {"type": "boolean"}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The current time in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+REPLY = {"type": "object", "properties": {"reply": {"type": "string", "maxLength": 100}},
+         "required": ["reply"], "additionalProperties": False}
+
+
+def _is_cat(obj) -> bool:
+    """CAT checked by hand (jsonschema is not a dependency)."""
+    return (isinstance(obj, dict) and set(obj) == {"name", "age", "indoor"}
+            and isinstance(obj["name"], str) and len(obj["name"]) <= 20
+            and type(obj["age"]) is int and 0 <= obj["age"] <= 30
+            and type(obj["indoor"]) is bool)
+
+
+def _streamed_message(chunks) -> tuple[str | None, list[dict], str | None]:
+    """(content, tool calls, finish reason) put together from streamed chunks, tool calls
+    by their index, as clients do."""
+    content, calls, finish = [], {}, None
+    for ch in chunks:
+        if not ch.choices:
+            continue
+        c = ch.choices[0]
+        content.append(c.delta.content or "")
+        for tc in c.delta.tool_calls or ():
+            slot = calls.setdefault(tc.index, {"id": "", "name": "", "arguments": ""})
+            slot["id"] += tc.id or ""
+            if tc.function is not None:
+                slot["name"] += tc.function.name or ""
+                slot["arguments"] += tc.function.arguments or ""
+        finish = c.finish_reason or finish
+    return "".join(content) or None, [calls[i] for i in sorted(calls)], finish
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("mode", ["none", "sync", "flow"])
+def test_response_format_answers_json_in_every_mode(server, mode):
+    client = server.client()
+    kw = {"model": MODEL, "messages": [{"role": "user", "content": "Describe a cat in JSON."}],
+          "max_tokens": 64, "temperature": 0, "extra_body": {"spec": mode}}
+    r = client.chat.completions.create(response_format={"type": "json_object"}, **kw)
+    assert r.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    schema = {"type": "json_schema", "json_schema": {"name": "cat", "schema": CAT,
+                                                     "strict": True}}
+    r = client.chat.completions.create(response_format=schema, **kw)
+    text = r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop" and _is_cat(json.loads(text)), text
+    streamed, _, finish = _streamed_message(client.chat.completions.create(
+        response_format=schema, stream=True, **kw))
+    assert streamed == text and finish == "stop"
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("choice", ["required", {"type": "function",
+                                                 "function": {"name": "get_time"}}])
+def test_a_forced_tool_call_follows_the_functions_schema(server, choice):
+    """A greeting calls nothing on its own; forced, the answer is calls whose arguments
+    parse against the function's parameters (a named choice: that function only), streamed
+    (flow) or not (none)."""
+    client = server.client()
+    kw = {"model": MODEL, "messages": [{"role": "user", "content": "Hi! How are you?"}],
+          "tools": [WEATHER, TIME], "tool_choice": choice, "max_tokens": 64,
+          "temperature": 0}
+    names = {"get_time"} if isinstance(choice, dict) else {"get_weather", "get_time"}
+    r = client.chat.completions.create(extra_body={"spec": "none"}, **kw)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and msg.content is None
+    assert msg.tool_calls
+    for c in msg.tool_calls:
+        assert c.type == "function" and c.id.startswith("call_")
+        assert c.function.name in names
+        args = json.loads(c.function.arguments)
+        assert isinstance(args, dict) and isinstance(args["city"], str)
+    content, calls, finish = _streamed_message(client.chat.completions.create(
+        stream=True, extra_body={"spec": "flow"}, **kw))
+    assert content is None and finish == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in calls] == \
+        [(c.function.name, c.function.arguments) for c in msg.tool_calls]
+    assert all(c["id"].startswith("call_") for c in calls)
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_tool_conversation_call_result_answer(server, stream):
+    """Turn 1 (tool_choice auto): the model calls get_weather on its own; turn 2 sends the
+    call back with the tool's result (role tool) and gets the final answer, which uses it.
+    The 0.5B model would call again rather than answer, so turn 2 asks for no call
+    ("none": the tools are not offered) and for the answer as {"reply": ...}."""
+    client = server.client()
+    ask1 = [{"role": "user", "content": "Is it raining in Paris right now?"}]
+    kw = {"model": MODEL, "max_tokens": 64, "temperature": 0, "tools": [WEATHER]}
+    if stream:
+        content, calls, finish = _streamed_message(client.chat.completions.create(
+            messages=ask1, stream=True, **kw))
+        said = {"role": "assistant", "content": None, "tool_calls": [
+            {"id": c["id"], "type": "function",
+             "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]}
+    else:
+        r = client.chat.completions.create(messages=ask1, **kw)
+        content, finish = r.choices[0].message.content, r.choices[0].finish_reason
+        calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+                 for c in r.choices[0].message.tool_calls or ()]
+        said = r.choices[0].message  # sent back as it came, as agents do
+    assert finish == "tool_calls" and content is None
+    assert [c["name"] for c in calls] == ["get_weather"]
+    assert json.loads(calls[0]["arguments"]) == {"city": "Paris"}
+    turn2 = [*ask1, said, {"role": "tool", "tool_call_id": calls[0]["id"],
+                           "content": "Rain, 12 degrees Celsius."}]
+    kw2 = {**kw, "messages": turn2, "tool_choice": "none", "response_format": {
+        "type": "json_schema", "json_schema": {"name": "reply", "schema": REPLY}}}
+    if stream:
+        content, calls, finish = _streamed_message(client.chat.completions.create(
+            stream=True, **kw2))
+    else:
+        r = client.chat.completions.create(**kw2)
+        content, calls = r.choices[0].message.content, r.choices[0].message.tool_calls or []
+        finish = r.choices[0].finish_reason
+    assert finish == "stop" and not calls
+    reply = json.loads(content)["reply"].lower()
+    assert "rain" in reply or "12" in reply, reply
+
+
+@pytest.mark.real_model
+def test_chat_over_the_server_with_a_json_schema(server):
+    """`edgespec chat --server URL --json-schema FILE`: the schema goes as response_format."""
+    from edgespec.chat.server_backend import ServerBackend
+
+    backend = ServerBackend(server.base, api_key=None, system=None, temperature=0.0,
+                            max_tokens=64, json_schema=CAT)
+    shown: list[str] = []
+    reply = backend.answer("Describe a cat in JSON.", shown.append, threading.Event())
+    assert _is_cat(json.loads(reply.text)) and "".join(shown) == reply.text
+
+
 @pytest.mark.real_model
 def test_errors_have_openais_shape(server):
     client = server.client(max_retries=0)
@@ -546,9 +823,9 @@ def test_errors_have_openais_shape(server):
     # Never accepted and ignored: an unimplemented field or endpoint names itself.
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
-                                       tools=[{"type": "function", "function": {"name": "f"}}])
-    assert e.value.param == "tools" and e.value.code == "unsupported_parameter"
-    assert "'tools' is not supported by this server" in e.value.body["message"]
+                                       extra_body={"functions": [{"name": "f"}]})
+    assert e.value.param == "functions" and e.value.code == "unsupported_parameter"
+    assert "'functions' is not supported by this server" in e.value.body["message"]
     with pytest.raises(openai.NotFoundError) as e:
         client.embeddings.create(model=model, input="hi")
     assert "POST /v1/embeddings is not supported by this server" in e.value.body["message"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import threading
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -150,7 +151,9 @@ def vocab_tokenizer(model: Any) -> llguidance.LLTokenizer:
             from llguidance.llamacpp import lltokenizer_from_vocab
 
             ends = [t for t in range(model.n_vocab) if llama_cpp.llama_vocab_is_eog(model.vocab, t)]
-            tok = lltokenizer_from_vocab(model.vocab, n_vocab=model.n_vocab, eos_token=ends)
+            with warnings.catch_warnings():  # it reads each token's attributes through a
+                warnings.simplefilter("ignore", DeprecationWarning)  # deprecated alias
+                tok = lltokenizer_from_vocab(model.vocab, n_vocab=model.n_vocab, eos_token=ends)
             _tokenizers[key] = tok
         return tok
 

@@ -51,21 +51,26 @@ class Backend(Protocol):
 # ------------------------------------------------------------------------------- the loop
 
 def run_chat(ring: Ring, *, system: str | None = None, temperature: float = 0.0,
-             max_tokens: int = 512, spec: str | None = None, stdin: TextIO | None = None,
+             max_tokens: int = 512, spec: str | None = None,
+             json_schema: dict[str, Any] | None = None, stdin: TextIO | None = None,
              stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
-    """Chat over ``ring``; returns the exit code (1 if an answer failed)."""
+    """Chat over ``ring``; returns the exit code (1 if an answer failed). ``json_schema``:
+    every answer is one JSON value valid against it."""
     backend = RingBackend(ring, system=system, temperature=temperature, max_tokens=max_tokens,
-                          spec=spec)
+                          spec=spec, json_schema=json_schema)
     return chat_loop(backend, stdin=stdin, stdout=stdout, stderr=stderr)
 
 
 def run_server_chat(url: str, *, api_key: str | None = None, system: str | None = None,
                     temperature: float = 0.0, max_tokens: int = 512,
+                    json_schema: dict[str, Any] | None = None,
                     stdin: TextIO | None = None, stdout: TextIO | None = None,
                     stderr: TextIO | None = None) -> int:
-    """Chat with the `edgespec serve` at ``url``; returns the exit code."""
+    """Chat with the `edgespec serve` at ``url``; returns the exit code. ``json_schema``:
+    sent as every request's ``response_format``."""
     backend = ServerBackend(url, api_key=api_key or os.environ.get("EDGESPEC_API_KEY"),
-                            system=system, temperature=temperature, max_tokens=max_tokens)
+                            system=system, temperature=temperature, max_tokens=max_tokens,
+                            json_schema=json_schema)
     return chat_loop(backend, stdin=stdin, stdout=stdout, stderr=stderr)
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from edgespec.api import Generation, Ring
 from edgespec.chat.terminal import HELP
+from edgespec.grammar import Grammar
 from edgespec.params import GenerationParams
 
 
@@ -93,12 +94,15 @@ class RingBackend:
     """Chat over a ``Ring`` held by this process."""
 
     def __init__(self, ring: Ring, *, system: str | None, temperature: float,
-                 max_tokens: int, spec: str | None) -> None:
+                 max_tokens: int, spec: str | None,
+                 json_schema: dict[str, Any] | None = None) -> None:
         self.ring = ring
         self.session = ChatSession(ring, system)
         # Checked once here: a bad value ends the command before the ring is asked anything.
+        grammar = (None if json_schema is None
+                   else Grammar.json_schema(json_schema, param="--json-schema"))
         self.params = GenerationParams(temperature=temperature, max_tokens=max_tokens,
-                                       spec=spec)
+                                       spec=spec, grammar=grammar)
         self.max_tokens = max_tokens
 
     def banner(self) -> str:

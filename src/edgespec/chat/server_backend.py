@@ -35,7 +35,8 @@ class ServerBackend:
     """
 
     def __init__(self, url: str, *, api_key: str | None, system: str | None,
-                 temperature: float, max_tokens: int, timeout: float = 600.0) -> None:
+                 temperature: float, max_tokens: int, timeout: float = 600.0,
+                 json_schema: dict[str, Any] | None = None) -> None:
         base = url.rstrip("/")
         if not re.match(r"^https?://", base):
             base = "http://" + base
@@ -45,6 +46,10 @@ class ServerBackend:
         self.temperature = temperature
         self.max_tokens = max_tokens
         self.timeout = timeout
+        # Every answer constrained to this schema (OpenAI's response_format).
+        self.response_format = None if json_schema is None else {
+            "type": "json_schema", "json_schema": {"name": "answer", "schema": json_schema,
+                                                   "strict": True}}
         self.messages: list[dict[str, str]] = []
         self.reset()
         models = self._get("/v1/models").get("data") or []
@@ -102,6 +107,8 @@ class ServerBackend:
         body = {"model": self.model, "messages": msgs, "stream": True,
                 "max_tokens": self.max_tokens, "temperature": self.temperature,
                 "stream_options": {"include_usage": True}}
+        if self.response_format is not None:
+            body["response_format"] = self.response_format
         reply = ServerReply("")
         t0 = time.perf_counter()
         with self._request("/v1/chat/completions", body) as resp:

@@ -64,21 +64,48 @@ def _open_ring(args: argparse.Namespace):
                       verbose=args.verbose, draft_quant=args.draft_quant, **extra)
 
 
+def json_schema_file(path: str | None) -> dict | None:
+    """The JSON schema in the file given to ``--json-schema`` (None without one); ValueError
+    with one line for a file that is missing, unreadable, not JSON or not a schema llguidance
+    takes."""
+    import json
+
+    from edgespec.grammar import Grammar
+
+    if path is None:
+        return None
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ValueError(f"--json-schema {path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--json-schema {path}: cannot read it ({e})") from None
+    try:
+        schema = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"--json-schema {path}: not valid JSON ({e})") from None
+    # A schema llguidance cannot follow fails here, before a ring is started or reached.
+    Grammar.json_schema(schema, param=f"--json-schema {path}")
+    return schema
+
+
 def _chat(args: argparse.Namespace) -> int:
     from edgespec.chat import run_chat, run_server_chat
 
     exit_on_hangup()
 
+    schema = json_schema_file(args.json_schema)
     if args.server:
         if args.local is not None:
             raise ValueError("--server talks to a running `edgespec serve`, --local N starts "
                              "a ring of its own: give one of them")
         return run_server_chat(args.server, api_key=args.api_key, system=args.system,
-                               temperature=args.temperature, max_tokens=args.max_tokens)
+                               temperature=args.temperature, max_tokens=args.max_tokens,
+                               json_schema=schema)
     with _open_ring(args) as ring:
         _warn_other_model(args, ring)
         return run_chat(ring, system=args.system, temperature=args.temperature,
-                        max_tokens=args.max_tokens, spec=args.spec)
+                        max_tokens=args.max_tokens, spec=args.spec, json_schema=schema)
 
 
 def _warn_other_model(args: argparse.Namespace, ring) -> None:
@@ -116,6 +143,9 @@ def _add_chat(sub) -> None:
                    help="0 = greedy")
     p.add_argument("--max-tokens", type=_at_least(1), default=512,
                    help="answer length limit (capped to the room left in the context)")
+    p.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="constrain every answer to one JSON value valid against the JSON "
+                        "schema in FILE (over --server: sent as response_format)")
 
 
 def _check_port_free(host: str, port: int) -> None:

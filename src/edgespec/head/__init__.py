@@ -15,6 +15,8 @@ runs, apart from what runs on nodes.
 - ``slots``: a slot's seq ids and its view of the shared chain (``SlotChain``, ``Demux``)
 - ``session``: one generation's replay across rebuilds and its resync after a stage failure
 - ``output``: tokens to text, and where an answer ends (``OutputProcessor``)
+- ``tools``: tool calls: OpenAI tools and messages into the chat template, the model's calls
+  parsed back (whole and streamed), the grammar of a forced call
 - ``engine/``: the speculative engine, its modes and the policy that sizes trees
 
 Nothing is imported here, so importing a submodule loads only what it needs.

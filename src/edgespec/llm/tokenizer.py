@@ -77,9 +77,13 @@ class Tokenizer:
         messages: Iterable[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         template: str | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
         """Render ``messages`` ([{"role":..., "content":...}]) with the model's chat template
-        through llama-cpp-python's Jinja2 formatter (as ``Llama.create_chat_completion`` does)."""
+        through llama-cpp-python's Jinja2 formatter (as ``Llama.create_chat_completion`` does).
+        ``tools``: OpenAI's tool list, handed to the template as its ``tools`` (a template
+        that takes them lists them in the prompt; messages may then carry ``tool_calls`` and
+        role ``tool``, see ``edgespec.head.tools``)."""
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
         tmpl = template or self.model.chat_template()
@@ -89,13 +93,15 @@ class Tokenizer:
         eos = self.piece(self.eos_id).decode("utf-8", errors="replace") if self.eos_id >= 0 else ""
         formatter = Jinja2ChatFormatter(tmpl, eos_token=eos, bos_token=bos,
                                         add_generation_prompt=add_generation_prompt)
-        return formatter(messages=[dict(m) for m in messages]).prompt  # type: ignore[arg-type]
+        return formatter(messages=[dict(m) for m in messages],  # type: ignore[arg-type]
+                         tools=None if tools is None else [dict(t) for t in tools]).prompt
 
     def chat_tokens(
-        self, messages: Iterable[Mapping[str, Any]], add_generation_prompt: bool = True
+        self, messages: Iterable[Mapping[str, Any]], add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
         """Token ids of the rendered chat prompt (the template writes its own special tokens)."""
-        prompt = self.chat_prompt(messages, add_generation_prompt)
+        prompt = self.chat_prompt(messages, add_generation_prompt, tools=tools)
         return self.encode(prompt, add_special=False, parse_special=True)
 
     def _check_ids(self, ids: Sequence[int]) -> None:

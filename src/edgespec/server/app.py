@@ -8,11 +8,12 @@ chunk), usage counts, stop sequences and errors in OpenAI's shape
 Every request field is checked before the ring sees it (pydantic models in ``requests``): a value
 the ring would refuse (``top_p: 0``, ``temperature: 3``) is a 400 naming the field, so a
 caller's mistake never reaches a stage. A field is honoured or refused, never ignored: an
-OpenAI field this server does not implement (``tools``, ``presence_penalty: 1``, ``n: 2``) is
-a 400 naming it unless it holds the value that asks for nothing (``n: 1``,
-``frequency_penalty: 0``), and a field outside the API is a 400 too. An OpenAI endpoint it
-does not implement (``/v1/embeddings``, images, audio) is a 404 in the same shape naming the
-endpoint. Failures during a generation map to statuses by what they mean
+OpenAI field this server does not implement (``functions``, ``store: true``, ``n: 2``) is a
+400 naming it unless it holds the value that asks for nothing (``n: 1``, ``store: false``),
+and a field outside the API is a 400 too. ``response_format`` and a forced tool call become
+the request's grammar, and with ``tools`` the answer's text is parsed for calls
+(``chat_input``). An OpenAI endpoint it does not implement (``/v1/embeddings``, images,
+audio) is a 404 in the same shape naming the endpoint. Failures during a generation map to statuses by what they mean
 (``edgespec.errors``): ``RequestError`` 400, ``StageFailure`` 500 with the stage's message,
 ``RingBusy`` 503 naming the head that holds the ring, ``NodeLost``/``RingError`` (a recovery
 that did not succeed) 503. The ring keeps serving after each. A body over ``max_body`` bytes
@@ -70,7 +71,8 @@ whole one), so the server exits promptly even mid-answer and the caller closes t
 FastAPI/uvicorn are used because they are the standard ASGI stack for this kind of API.
 
 This module builds the app (routes) and runs it; the parts live beside it: ``requests``
-(request models), ``replies`` (errors and their statuses), ``inflight`` (cancel events for a
+(request models), ``chat_input`` (a chat's messages and tools, and tool calls in the
+answer), ``replies`` (errors and their statuses), ``inflight`` (cancel events for a
 shutdown), ``streaming`` (the completion endpoints' generations), ``live`` (the page's live
 view), ``access`` (the API key), ``health`` and ``listener``.
 """

@@ -1,16 +1,31 @@
 """Request bodies of the completion endpoints: every field is checked before the ring sees it
 (pydantic models), a caller's mistake is a ``_BadRequest`` naming the field, and so is a field
-this server does not implement (unless it holds the value that asks for nothing)."""
+this server does not implement (unless it holds the value that asks for nothing).
+
+``generation_params`` turns a request into ``GenerationParams``, its grammar included: the
+``response_format``'s, or the tool grammar of ``edgespec.head.tools`` (a forced call, one
+call at most, calls or an answer of the ``response_format`` schema). A chat's messages and
+tools are ``chat_input``'s models."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from edgespec.errors import RequestError
+from edgespec.grammar import Grammar
+from edgespec.head.tools import tool_grammar
 from edgespec.params import SPEC_MODES, GenerationParams
+from edgespec.server.chat_input import (
+    _Message,
+    _NamedChoice,
+    _Tool,
+    _tool_dicts,
+    tool_names,
+)
 
 
 class _BadRequest(Exception):
@@ -42,19 +57,12 @@ def _is(*values: Any) -> Callable[[Any], bool]:
     return lambda v: v is None or any(type(v) is type(x) and v == x for x in values)
 
 
-#: Unimplemented fields: (is the value neutral, the neutral values for the message). Tools and
-#: functions come before their choices, so a request with tools is told about the tools.
+#: Unimplemented fields: (is the value neutral, the neutral values for the message).
 _NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "n": (_is(1), "1"),
-    "frequency_penalty": (_is(0, 0.0), "0"),
-    "presence_penalty": (_is(0, 0.0), "0"),
-    "tools": (_is([]), "[]"),
-    # With no tools there is nothing to call, so "none" and "auto" both mean plain text.
-    "tool_choice": (_is("none", "auto"), '"none" or "auto"'),
-    "parallel_tool_calls": (_is(True), "true"),
+    # The legacy form of tools and tool_choice (``tools`` is supported).
     "functions": (_is([]), "[]"),
     "function_call": (_is("none", "auto"), '"none" or "auto"'),
-    "response_format": (_is({"type": "text"}), '{"type": "text"}'),
     "modalities": (_is(["text"]), '["text"]'),
     "audio": (_is(), "null"),
     "prediction": (_is(), "null"),
@@ -71,11 +79,10 @@ _NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "suffix": (_is(""), '""'),
 }
 
-#: The same for a chat message's own fields (those of assistant turns that called tools, a
-#: participant's name the model would be shown).
+#: The same for a chat message's own fields (a participant's name the model would be shown,
+#: the legacy function call, a refusal or audio of an earlier answer).
 _MESSAGE_NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "name": (_is(), "null"),
-    "tool_calls": (_is([]), "[]"),
     "function_call": (_is(), "null"),
     "refusal": (_is(), "null"),
     "audio": (_is(), "null"),
@@ -85,29 +92,6 @@ _MESSAGE_NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
 _STREAM_OPTIONS_NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "include_obfuscation": (_is(False), "false"),
 }
-
-
-class _TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["text"]
-    text: _Str
-
-
-class _Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant"]
-    content: _Str | list[_TextPart]
-    # Unimplemented (``_MESSAGE_NEUTRAL``): Any, so any value reaches the refusal naming it.
-    name: Any = None
-    tool_calls: Any = None
-    function_call: Any = None
-    refusal: Any = None
-    audio: Any = None
-
-    def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(p.text for p in self.content)
 
 
 class _StreamOptions(BaseModel):
@@ -139,10 +123,13 @@ class _Sampling(BaseModel):
     # An end-user id for the provider's abuse monitoring: it asks nothing of the generation,
     # so any server may take it and do nothing with it.
     user: _Str | None = None
+    # OpenAI's penalties on tokens already in the answer, and llama-server's repetition
+    # penalty (1 = off), as ``GenerationParams`` takes them.
+    frequency_penalty: Annotated[_Float, Field(ge=-2.0, le=2.0)] | None = None
+    presence_penalty: Annotated[_Float, Field(ge=-2.0, le=2.0)] | None = None
+    repeat_penalty: Annotated[_Float, Field(gt=0.0, le=10.0)] | None = None
     # Unimplemented (``_NEUTRAL``): Any, so any value reaches the refusal naming the field.
     n: Any = None
-    frequency_penalty: Any = None
-    presence_penalty: Any = None
     # Token ids (decimal strings, as JSON keys are) to values in [-100, 100]; checked by
     # GenerationParams, which names the field.
     logit_bias: dict[_Str, Any] | None = None
@@ -160,13 +147,16 @@ class _ChatRequest(_Sampling):
     # tokens' there (``GenerationParams.logprobs``).
     logprobs: Annotated[bool, Field(strict=True)] | None = None
     top_logprobs: Annotated[int, Field(strict=True, ge=0, le=20)] | None = None
+    # Functions the model may call (``edgespec.head.tools``), whether it must, and whether
+    # it may make several calls in one answer.
+    tools: Annotated[list[_Tool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | _NamedChoice | None = None
+    parallel_tool_calls: Annotated[bool, Field(strict=True)] | None = None
+    # text, json_object or json_schema (``Grammar.from_response_format`` checks it).
+    response_format: Any = None
     # Unimplemented (``_NEUTRAL``).
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
     modalities: Any = None
     audio: Any = None
     prediction: Any = None
@@ -203,7 +193,17 @@ _FIELD_HELP = {
     "max_completion_tokens": "'max_completion_tokens' must be an integer >= 1",
     "stop": "'stop' must be a string or a list of up to 4 strings",
     "messages": "'messages' must be a non-empty list of {role, content} with role system, "
-                "user or assistant and text content",
+                "user, assistant or tool and text content (an assistant's tool_calls as "
+                "[{id, type: \"function\", function: {name, arguments}}])",
+    "tools": "'tools' must be a list of {\"type\": \"function\", \"function\": {\"name\", "
+             "\"description\", \"parameters\"}} (names of letters, digits, _ and -, at most 64)",
+    "tool_choice": "'tool_choice' must be \"none\", \"auto\", \"required\" or {\"type\": "
+                   "\"function\", \"function\": {\"name\": ...}}",
+    "parallel_tool_calls": "'parallel_tool_calls' must be true or false",
+    "frequency_penalty": "'frequency_penalty' must be a number between -2 and 2",
+    "presence_penalty": "'presence_penalty' must be a number between -2 and 2",
+    "repeat_penalty": "'repeat_penalty' must be a number greater than 0 and at most 10 "
+                      "(1 = off)",
     "prompt": "'prompt' must be a non-empty string (or a list of one)",
     "stream": "'stream' must be true or false",
     "stream_options": "'stream_options' must be an object like {\"include_usage\": true}",
@@ -219,12 +219,12 @@ _FIELD_HELP = {
 
 def _path(loc: tuple[int | str, ...]) -> str:
     """A field's place as the caller wrote it (``messages[0].name``), without pydantic's
-    union-branch labels (``list[_TextPart]``)."""
+    union-branch labels (``list[_TextPart]``, ``_NamedChoice``: never names of fields)."""
     out = ""
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part.isidentifier():
+        elif part.isidentifier() and not part.startswith("_"):
             out += f".{part}" if out else part
     return out
 
@@ -272,9 +272,61 @@ def parse_request(body: bytes | dict[str, Any], chat: bool) -> _ChatRequest | _C
                             "stream_options")
     for i, m in enumerate(getattr(req, "messages", ())):
         _refuse_unsupported(m, _MESSAGE_NEUTRAL, f"messages[{i}].", "messages")
-    if chat and req.top_logprobs and not req.logprobs:
-        raise _BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    if chat:
+        _check_messages(req.messages)
+        _check_tools(req)
+        if req.top_logprobs and not req.logprobs:
+            raise _BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     return req
+
+
+def _check_messages(messages: list[_Message]) -> None:
+    """What the types leave open: content is null only in an assistant turn with calls,
+    calls are an assistant's, and a tool result names its call."""
+    for i, m in enumerate(messages):
+        where = f"'messages[{i}]"
+        if m.content is None and not (m.role == "assistant" and m.tool_calls):
+            raise _BadRequest(f"{where}.content' is required (null only in an assistant "
+                              "message with tool_calls)", "messages")
+        if m.tool_calls and m.role != "assistant":
+            raise _BadRequest(f"{where}.tool_calls' belongs to assistant messages", "messages")
+        if (m.role == "tool") != (m.tool_call_id is not None):
+            raise _BadRequest(f"{where}.tool_call_id' is required in a tool message and "
+                              "only there", "messages")
+
+
+def _check_tools(req: _ChatRequest) -> None:
+    tools = req.tools or []
+    names = [t.function.name for t in tools]
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise _BadRequest(f"'tools' names function {dup!r} twice", "tools")
+    choice = req.tool_choice
+    if choice != "required" and not isinstance(choice, _NamedChoice):
+        return
+    if not tools:
+        raise _BadRequest("'tool_choice' asks for a call but there are no 'tools'",
+                          "tool_choice")
+    if isinstance(choice, _NamedChoice) and choice.function.name not in names:
+        raise _BadRequest(f"'tool_choice' names function {choice.function.name!r}, which is "
+                          "not in 'tools'", "tool_choice")
+
+
+def _grammar(req: _Sampling) -> Grammar | None:
+    """The grammar of a request: its ``response_format``'s, or the tool grammar (a forced
+    call, one call at most, or calls or an answer of the ``response_format`` schema)."""
+    if not isinstance(req, _ChatRequest):
+        return None
+    answer = Grammar.from_response_format(req.response_format)
+    if tool_names(req) is None:
+        return answer
+    choice = req.tool_choice
+    if isinstance(choice, _NamedChoice):
+        choice = choice.model_dump()
+    tools = tool_grammar(_tool_dicts(req), choice or "auto",
+                         parallel=req.parallel_tool_calls is not False,
+                         answer=None if answer is None else json.loads(answer.source))
+    return tools if tools is not None else answer
 
 
 def _logprobs(req: _Sampling) -> int | None:
@@ -295,6 +347,10 @@ def generation_params(req: _Sampling | dict[str, Any], default_max_tokens: int
     stop = req.stop if req.stop is not None else ()
     try:
         return GenerationParams(
+            grammar=_grammar(req),
+            frequency_penalty=req.frequency_penalty or 0.0,
+            presence_penalty=req.presence_penalty or 0.0,
+            repeat_penalty=1.0 if req.repeat_penalty is None else req.repeat_penalty,
             max_tokens=default_max_tokens if asked is None else asked,
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,

@@ -20,6 +20,14 @@ from fastapi.responses import StreamingResponse
 from edgespec import errors
 from edgespec.api import Generation, Prepared, Ring, TextStream
 from edgespec.head.output import TokenLogprob
+from edgespec.head.tools import template_takes_tools
+from edgespec.server.chat_input import (
+    Deltas,
+    answer_message,
+    chat_input,
+    finish_reason,
+    tool_names,
+)
 from edgespec.server.health import Metrics
 from edgespec.server.inflight import Inflight
 from edgespec.server.live import _Live
@@ -101,8 +109,14 @@ class Completions:
     def _prompt_tokens(self, req: _ChatRequest | _CompletionRequest) -> list[int]:
         tok = self.ring.tokenizer
         if isinstance(req, _ChatRequest):
-            msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
-            return tok.chat_tokens(msgs, add_generation_prompt=True)
+            msgs, tools = chat_input(req)
+            if tools is not None and not template_takes_tools(tok.model.chat_template()):
+                raise _BadRequest("this model's chat template does not take tools", "tools")
+            try:
+                return tok.chat_tokens(msgs, add_generation_prompt=True, tools=tools)
+            except ValueError as e:  # the template refused the conversation (raise_exception)
+                raise _BadRequest(f"the chat template refused the messages: {e}",
+                                  "messages") from None
         return tok.encode(req.text(), add_special=True, parse_special=False)
 
     def _usage(self, gen: Generation) -> dict[str, Any]:
@@ -226,9 +240,10 @@ class Completions:
         queue = self._launch(rid, self.ring.stream_prepared(prepared, cancel, ticket),
                              cancel, "chat" if chat else "completion")
 
+        names = tool_names(req) if chat else None
         if req.stream:
             return StreamingResponse(
-                self._sse(queue, cancel, chat, rid, created, include_usage),
+                self._sse(queue, cancel, chat, rid, created, include_usage, names),
                 media_type="text/event-stream")
 
         gen: Generation | None = None
@@ -273,8 +288,9 @@ class Completions:
                           code="shutting_down")
         scores = gen.logprobs
         if chat:
-            choice = {"index": 0, "finish_reason": gen.finish_reason,
-                      "message": {"role": "assistant", "content": gen.text},
+            message, called = answer_message(gen.text, names)
+            choice = {"index": 0, "finish_reason": finish_reason(gen.finish_reason, called),
+                      "message": message,
                       "logprobs": None if scores is None else
                       {"content": self._chat_logprobs(scores), "refusal": None}}
         else:
@@ -319,22 +335,21 @@ class Completions:
                 "text_offset": offsets}
 
     async def _sse(self, queue: asyncio.Queue, cancel: threading.Event, chat: bool, rid: str,
-                   created: int, include_usage: bool) -> AsyncIterator[bytes]:
+                   created: int, include_usage: bool, names: list[str] | None = None
+                   ) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if chat else "text_completion"
         offset = 0  # completions' text_offset: characters of text before a chunk's tokens
+        deltas = Deltas(names)  # chat: the text as content, or content and tool calls
 
         def event(payload: dict[str, Any]) -> bytes:
             return f"data: {json.dumps(payload)}\n\n".encode()
 
-        def chunk(delta: str | None, finish: str | None, first: bool = False,
-                  scores: Sequence[TokenLogprob] = ()) -> bytes:
+        def chunk(delta: str | dict[str, Any] | None, finish: str | None,
+                  first: bool = False, scores: Sequence[TokenLogprob] = ()) -> bytes:
             nonlocal offset
             if chat:
-                d: dict[str, Any] = {}
-                if first:
-                    d["role"] = "assistant"
-                if delta:
-                    d["content"] = delta
+                d: dict[str, Any] = {"role": "assistant"} if first else {}
+                d.update(delta or {})
                 choice = {"index": 0, "delta": d, "finish_reason": finish,
                           "logprobs": {"content": self._chat_logprobs(scores), "refusal": None}
                           if scores else None}
@@ -373,11 +388,22 @@ class Completions:
                                        f"after {item.stats.tokens} token(s)",
                             "type": "server_error", "param": None, "code": "shutting_down"}})
                         return
-                    yield chunk(None, item.finish_reason)
+                    if chat:
+                        for d in deltas.finish():
+                            yield chunk(d, None)
+                    yield chunk(None, finish_reason(item.finish_reason, deltas.called > 0))
                     if include_usage:
                         yield usage
                     continue
-                yield chunk(item.text, None, scores=item.scores)
+                if not chat:
+                    yield chunk(item.text, None, scores=item.scores)
+                    continue
+                # A piece's log probabilities ride with its first delta (or an empty one
+                # while its text is held back as the possible start of a call).
+                scores = item.scores
+                for d in deltas.feed(item.text) or ([{}] if scores else []):
+                    yield chunk(d, None, scores=scores)
+                    scores = ()
             yield b"data: [DONE]\n\n"
         finally:
             # Reached on normal end too (harmless then); on a hang-up it stops the generation.

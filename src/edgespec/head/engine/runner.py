@@ -1,4 +1,9 @@
-"""The speculative engine on the head (``SpecEngine``): a generation's lifecycle, its prefill,
+"""The speculative engine on the head (``SpecEngine``).
+
+Over 450 lines: the lifecycle and the step operations share one state (history, laps, KV
+operations waiting) that every mode drives; split, each half would reach into the other.
+
+A generation's lifecycle, its prefill,
 and the step operations every mode shares (a plain lap, drafting a tree, sending its rows,
 committing a decision with its KV rollback). What each step sends is the mode's
 (``edgespec.head.engine.mode``, one file per mode, listed in ``registry``); whether a tree pays
@@ -10,9 +15,6 @@ seq ids of the leaves below it, and each leaf seq first receives the committed p
 decision the accepted path is copied into sequence 0 and every other sequence is dropped:
 masked rollback, nothing recomputed. Those operations travel as ``pre_ops`` of the next batch,
 so they reach each stage in order behind the rows they clean up.
-
-Over 450 lines: the lifecycle and the step operations share one state (history, laps, KV
-operations waiting) that every mode drives; split, each half would reach into the other.
 """
 
 from __future__ import annotations

@@ -1,0 +1,147 @@
+"""Constrained output and penalties below the ring: a ``Grammar`` refuses what cannot compile
+naming the field it came from; the last stage's ``RowConstraints`` gives each tree row the
+mask and penalties of its own path, exactly as a plain row with that text would get them; the
+batch's context survives the wire and a hostile one is refused; the head's
+``ConstrainedDrafter`` drafts forced tokens first and never a token the grammar refuses.
+Real vocabulary (the 0.5B's, loaded vocabulary-only), synthetic logits."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from edgespec.batch import Sampling
+from edgespec.drafters import RetrievalDrafter
+from edgespec.drafters.constrained import ConstrainedDrafter
+from edgespec.errors import RequestError
+from edgespec.grammar import Follower, Grammar, vocab_tokenizer
+from edgespec.node.constraints import RowConstraints, penalize
+from edgespec.node.worker import draw
+from edgespec.params import GenerationParams
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"},
+                                           "ok": {"type": "boolean"}},
+          "required": ["name", "ok"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def vocab(real_model_path):
+    from edgespec.llm.llamacpp import load_model
+
+    model = load_model(real_model_path, vocab_only=True)
+    yield model
+    model.close()
+
+
+@pytest.fixture(scope="module")
+def tok(vocab):
+    from edgespec.llm.tokenizer import Tokenizer
+
+    return Tokenizer(vocab)
+
+
+class _Window:  # what RowConstraints reads of a last window
+    def __init__(self, model) -> None:
+        self.model = model
+
+
+@pytest.mark.parametrize(("make", "param"), [
+    (lambda: Grammar.json_schema("{not json"), "json_schema"),
+    (lambda: Grammar.json_schema([1, 2]), "json_schema"),
+    (lambda: Grammar.json_schema({"type": "objectx"}), "json_schema"),
+    (lambda: Grammar.regex("[a-z]+("), "regex"),
+    (lambda: Grammar.lark("start: missing_rule"), "grammar"),
+    (lambda: Grammar.from_response_format({"type": "xml"}), "response_format"),
+    (lambda: Grammar.from_response_format({"type": "json_schema"}), "response_format"),
+    (lambda: Grammar.from_response_format({"type": "json_object", "schema": {}}),
+     "response_format"),
+    (lambda: GenerationParams.of(json_schema=SCHEMA, regex="a+"), "regex"),
+    (lambda: GenerationParams(frequency_penalty=2.5), "frequency_penalty"),
+    (lambda: GenerationParams(repeat_penalty=0), "repeat_penalty"),
+])
+def test_a_bad_grammar_or_penalty_is_refused_naming_its_field(make, param):
+    with pytest.raises(RequestError) as err:
+        make()
+    assert err.value.param == param
+
+
+def test_response_format_maps_to_a_grammar():
+    assert Grammar.from_response_format({"type": "text"}) is None
+    assert Grammar.from_response_format({"type": "json_object"}).kind == "json_object"
+    g = Grammar.from_response_format({"type": "json_schema", "json_schema": {
+        "name": "x", "schema": SCHEMA, "strict": True}})
+    assert g.kind == "json_schema" and json.loads(g.source) == SCHEMA
+    p = GenerationParams.of(json_schema=SCHEMA, max_tokens=5)
+    assert p.grammar == Grammar.json_schema(SCHEMA) and p.sampling.grammar == p.grammar.text
+    assert p.sampling.follows_text and not GenerationParams().sampling.follows_text
+
+
+def test_sampling_context_survives_meta_and_a_hostile_one_is_refused():
+    s = GenerationParams(grammar=Grammar.regex("[0-9]+"), frequency_penalty=0.5,
+                         repeat_penalty=1.1).sampling.for_rows([5, 6], [-1, 0, 1], [6, 7, 8])
+    back = Sampling.from_meta(json.loads(json.dumps(s.as_meta())))
+    assert back == s and back.paths([0, 2, 1, 40]) == [[5, 6], [5, 6, 7, 8], [5, 6, 7], [5, 6]]
+    for bad in ({"grammar": 5}, {"penalties": [0, 0, 0]}, {"penalties": [3, 0, 1]},
+                {"text": [-1]}, {"text": "abc"}, {"tree": [[0], [1]]},
+                {"tree": [[-1, 5], [1, 2]]}, {"tree": [[-1], [1, 2]]}):
+        with pytest.raises(ValueError):
+            Sampling.from_meta({**s.as_meta(), **bad})
+
+
+def test_penalties_match_their_definitions():
+    row = np.array([2.0, -2.0, 1.0, 0.5], np.float32)
+    penalize(row, [0, 0, 1], (0.25, 0.5, 1.0))
+    assert row.tolist() == [2.0 - 0.5 - 0.5, -2.0 - 0.25 - 0.5, 1.0, 0.5]
+    row = np.array([2.0, -2.0, 1.0, 0.5], np.float32)
+    penalize(row, [0, 1], (0.0, 0.0, 2.0))  # repetition: positive divided, negative times
+    assert row.tolist() == [1.0, -4.0, 1.0, 0.5]
+
+
+def test_each_tree_row_gets_the_mask_and_penalties_of_its_own_path(vocab, tok):
+    """A tree row's target distribution is the one a plain row with the same text gets: the
+    constrained draw of a tree equals the draws of its paths one by one (mask and penalties
+    both), and every target is a token the grammar allows there."""
+    grammar = Grammar.json_schema(SCHEMA)
+    text = tok.encode('{"name": "Al', add_special=False)
+    a, b = tok.encode('ice"', add_special=False)[0], tok.encode('"', add_special=False)[0]
+    # root (text's last token), then two branches: [a] and [b, ", "] (b closes the string)
+    comma = tok.encode(', "', add_special=False)[0]
+    parents, tokens = [-1, 0, 0, 2], [text[-1], a, b, comma]
+    params = GenerationParams(grammar=grammar, frequency_penalty=0.7, repeat_penalty=1.2)
+    tree = params.sampling.for_rows(text, parents, tokens)
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(4, vocab.n_vocab)).astype(np.float32) * 3
+    window = _Window(vocab)
+    nodes = np.arange(4, dtype=np.int32)
+    got, _ = draw(logits, np.arange(4, dtype=np.int32), tree, nodes, RowConstraints(window))
+    follower = Follower(vocab_tokenizer(vocab), grammar.text)
+    for i, path in enumerate(tree.paths(nodes.tolist())):
+        alone = params.sampling.for_rows(path)
+        want, _ = draw(logits[i:i + 1], np.array([i], np.int32), alone, np.zeros(1, np.int32),
+                       RowConstraints(window))
+        assert got[i] == want[0], i
+        assert follower.move([*path, int(got[i])]) == len(path) + 1, (i, tok.decode(path))
+    # unconstrained, the same logits draw tokens the grammar refuses
+    free = draw(logits, np.arange(4, dtype=np.int32), Sampling(), nodes)[0]
+    assert not all(follower.move([*p, int(t)]) == len(p) + 1
+                   for p, t in zip(tree.paths(nodes.tolist()), free, strict=True))
+
+
+def test_the_drafter_drafts_forced_tokens_first_and_only_what_the_grammar_allows(vocab, tok):
+    grammar = Grammar.json_schema(SCHEMA)
+    follower = Follower(vocab_tokenizer(vocab), grammar.text)
+    inner = RetrievalDrafter()
+    drafter = ConstrainedDrafter(inner, follower)
+    # A prompt whose retrieval continuation after `{"` is text outside the grammar.
+    prompt = tok.encode('say {"nope": 1} then {"name": "x", "ok": true} {"', add_special=False)
+    drafter.begin(prompt)
+    start = tok.encode('{"', add_special=False)
+    drafter.accept(start)  # the text so far: {"  -> the schema forces the key "name"
+    tree = drafter.propose(start[-1], 16, 8)
+    assert len(tree) and tree.parents[0] == -1
+    assert tok.decode([int(tree.tokens[0])]) == "name" and tree.logprobs[0] == 0.0
+    assert drafter.forced_drafted >= 1
+    for path in tree.paths():
+        assert follower.move([*start, *path]) == len(start) + len(path), tok.decode(list(path))
