@@ -145,3 +145,34 @@ def test_the_drafter_drafts_forced_tokens_first_and_only_what_the_grammar_allows
     assert drafter.forced_drafted >= 1
     for path in tree.paths():
         assert follower.move([*start, *path]) == len(start) + len(path), tok.decode(list(path))
+
+
+def test_a_vocabularys_tokenizer_goes_with_its_model(real_model_path, tok):
+    """llguidance's tokenizer calls into the llama.cpp vocabulary it was made from: another
+    load of the same file gets its own, and a closed model's is dropped (a tokenizer kept by
+    file once outlived its model and crashed the next ring's first mask)."""
+    from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+
+    from edgespec.llm.llamacpp import load_model
+
+    grammar = Grammar.json_schema(SCHEMA)
+    first = load_model(real_model_path, vocab_only=True)
+    made = vocab_tokenizer(first)
+    assert vocab_tokenizer(first) is made
+    first.close()
+    assert first.guidance is None
+    with pytest.raises(ValueError, match="closed"):
+        vocab_tokenizer(first)
+    second = load_model(real_model_path, vocab_only=True)
+    try:
+        fresh = vocab_tokenizer(second)
+        assert fresh is not made
+        follower = Follower(fresh, grammar.text)
+        text = tok.encode('{"name": "x", "ok": ', add_special=False)
+        assert follower.move(text) == len(text)
+        mask = allocate_token_bitmask(1, second.n_vocab)
+        fill_next_token_bitmask(follower.matcher, mask, 0)
+        allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))
+        assert {tok.decode([int(t)]) for t in allowed} >= {"true", "false"}
+    finally:
+        second.close()

@@ -45,8 +45,8 @@ class Grammar:
     @classmethod
     def json_schema(cls, schema: Mapping[str, Any] | str, param: str = "json_schema"
                     ) -> Grammar:
-        """Text that is one JSON value valid against ``schema`` (a dict or its JSON text);
-        compact separators (``", "``, ``": "``), keys in the schema's order."""
+        """Text that is one JSON value valid against ``schema`` (a dict or its JSON text),
+        with whitespace between tokens as the model writes it (llguidance's default)."""
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
@@ -135,26 +135,29 @@ class Grammar:
 
 # ------------------------------------------------------------------------- vocabularies
 
-_tokenizers: dict[str, llguidance.LLTokenizer] = {}
 _tokenizers_lock = threading.Lock()
 
 
 def vocab_tokenizer(model: Any) -> llguidance.LLTokenizer:
     """llguidance's view of a loaded llama.cpp model's vocabulary (``edgespec.llm.llamacpp.
     Model``; a vocabulary-only load is enough), as wide as its logits, ending at any of its
-    end-of-generation tokens. Made once per model file (about 0.7 s for 152k tokens)."""
-    key = str(model.path)
+    end-of-generation tokens. Made once per model object (about 0.7 s for 152k tokens) and
+    kept on it: it calls into the model's vocabulary, so it lives and dies with that model
+    (``Model.close`` drops it), never with another load of the same file."""
     with _tokenizers_lock:
-        tok = _tokenizers.get(key)
+        tok = getattr(model, "guidance", None)
         if tok is None:
             import llama_cpp
             from llguidance.llamacpp import lltokenizer_from_vocab
 
-            ends = [t for t in range(model.n_vocab) if llama_cpp.llama_vocab_is_eog(model.vocab, t)]
+            vocab = model.vocab if not getattr(model, "closed", False) else None
+            if vocab is None:
+                raise ValueError(f"model {model.path} is closed")
+            ends = [t for t in range(model.n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, t)]
             with warnings.catch_warnings():  # it reads each token's attributes through a
                 warnings.simplefilter("ignore", DeprecationWarning)  # deprecated alias
-                tok = lltokenizer_from_vocab(model.vocab, n_vocab=model.n_vocab, eos_token=ends)
-            _tokenizers[key] = tok
+                tok = lltokenizer_from_vocab(vocab, n_vocab=model.n_vocab, eos_token=ends)
+            model.guidance = tok
         return tok
 
 

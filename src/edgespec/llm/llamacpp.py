@@ -138,6 +138,9 @@ class Model(Closing):
         self.n_embd: int = llama_cpp.llama_model_n_embd(ptr)
         self.n_layer: int = llama_cpp.llama_model_n_layer(ptr)
         self.n_vocab: int = llama_cpp.llama_vocab_n_tokens(self.vocab)
+        # llguidance's tokenizer of this vocabulary, made on first use (edgespec.grammar); it
+        # calls into the vocabulary, so it goes with the model.
+        self.guidance: Any = None
 
     @property
     def ptr(self) -> Any:
@@ -170,6 +173,7 @@ class Model(Closing):
         """Free the model and every context still open on it."""
         for ctx in list(self._contexts):
             ctx.close()
+        self.guidance = None
         if self._ptr is not None:
             llama_cpp.llama_model_free(self._ptr)
             self._ptr = None
