@@ -21,6 +21,8 @@ from edgespec.node.constraints import RowConstraints, penalize
 from edgespec.node.worker import draw
 from edgespec.params import GenerationParams
 
+pytestmark = pytest.mark.real_model
+
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"},
                                            "ok": {"type": "boolean"}},
           "required": ["name", "ok"], "additionalProperties": False}

@@ -296,6 +296,27 @@ def test_response_format_becomes_the_grammar():
         "age": {"type": "integer"}}
 
 
+def test_regex_and_gbnf_grammar_fields_become_the_grammar():
+    def params(chat: bool = True, **body):
+        base = _USER if chat else {"prompt": "x"}
+        return generation_params(parse_request({**base, **body}, chat), 16)
+
+    assert params(regex=r"\d+").grammar.kind == "regex"
+    g = params(False, grammar='root ::= "yes" | "no"').grammar
+    assert g.kind == "gbnf" and g.source == 'root ::= "yes" | "no"'
+    for body, param, says in [
+            ({"grammar": "root ::= (("}, "grammar", "not a GBNF grammar"),
+            ({"grammar": "root ::= missing"}, "grammar", "missing"),
+            ({"regex": "[a-z"}, "regex", "regex"),
+            ({"regex": "a", "grammar": 'root ::= "a"'}, "grammar", "one of"),
+            ({"regex": "a", "response_format": {"type": "json_object"}}, "regex",
+             "leave out"),
+            ({"regex": 5}, "regex", "non-empty string")]:
+        with pytest.raises(_BadRequest) as err:
+            params(**body)
+        assert err.value.param == param and says in str(err.value), (body, str(err.value))
+
+
 @pytest.mark.parametrize("rf, says", [
     ({"type": "xml"}, "must be text, json_object or json_schema"),
     ({"type": "json_schema"}, "'response_format.json_schema' must be an object"),
@@ -721,6 +742,22 @@ def test_response_format_answers_json_in_every_mode(server, mode):
     streamed, _, finish = _streamed_message(client.chat.completions.create(
         response_format=schema, stream=True, **kw))
     assert streamed == text and finish == "stop"
+
+
+@pytest.mark.real_model
+def test_regex_and_gbnf_constrain_the_answer(server):
+    """edgespec's ``regex`` and llama-server's ``grammar`` (GBNF) through the openai client's
+    extra_body, completions and chat, in a tree mode."""
+    client = server.client()
+    r = client.completions.create(model=MODEL, prompt="The year the Eiffel Tower opened:",
+                                  max_tokens=12, temperature=0,
+                                  extra_body={"regex": r" [0-9]{4}\.", "spec": "flow"})
+    assert re.fullmatch(r" [0-9]{4}\.", r.choices[0].text), r.choices[0].text
+    r = client.chat.completions.create(
+        model=MODEL, max_tokens=8, temperature=0,
+        messages=[{"role": "user", "content": "Is Python a programming language?"}],
+        extra_body={"grammar": 'root ::= ("yes" | "no") "."', "spec": "sync"})
+    assert r.choices[0].message.content in ("yes.", "no."), r.choices[0].message.content
 
 
 @pytest.mark.real_model

@@ -363,9 +363,13 @@ def test_chat_json_schema_file(tmp_path):
         assert str(e.value).startswith(f"--json-schema {path}") and says[name] in str(e.value)
 
 
-def test_chat_command_refuses_a_bad_schema_file_before_starting_a_ring(tmp_path, capsys):
-    from edgespec.cli import main
+def test_chat_command_refuses_a_bad_schema_file_before_starting_a_ring(tmp_path):
+    # As a user runs it: its own process (main() configures the process's logging).
+    import subprocess
+    import sys
 
-    assert main(["chat", "--json-schema", str(tmp_path / "none.json")]) == 1
-    assert capsys.readouterr().err.strip() == \
-        f"edgespec: --json-schema {tmp_path / 'none.json'}: no such file"
+    missing = tmp_path / "none.json"
+    done = subprocess.run([sys.executable, "-m", "edgespec", "chat", "--json-schema",
+                           str(missing)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.strip() == f"edgespec: --json-schema {missing}: no such file"

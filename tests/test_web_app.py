@@ -82,11 +82,11 @@ def test_unimplemented_fields_and_endpoints_are_refused_in_openais_shape(base):
     neutral values clients send by default are served."""
     client = TestClient(create_app(base, "tiny"))
     hi = [{"role": "user", "content": "hi"}]
-    r = client.post("/v1/chat/completions", json={"messages": hi, "presence_penalty": 0.5})
+    r = client.post("/v1/chat/completions", json={"messages": hi, "n": 2})
     assert r.status_code == 400, r.text
     assert r.json() == {"error": {
-        "message": "'presence_penalty' is not supported by this server: send 0 or leave it out",
-        "type": "invalid_request_error", "param": "presence_penalty",
+        "message": "'n' is not supported by this server: send 1 or leave it out",
+        "type": "invalid_request_error", "param": "n",
         "code": "unsupported_parameter"}}
     r = client.post("/v1/completions", json={"prompt": "hello", "min_p": 0.1})
     assert r.status_code == 400, r.text

@@ -34,7 +34,7 @@ MAX_GRAMMAR_BYTES = 64 * 1024
 @dataclass(frozen=True)
 class Grammar:
     """What the generated text must match: ``kind`` (``json_schema``, ``json_object``,
-    ``lark``, ``regex``), the ``source`` as given, and ``text``, llguidance's grammar that the
+    ``lark``, ``gbnf``, ``regex``), the ``source`` as given, and ``text``, llguidance's grammar that the
     last stage compiles. ``param``: the request field it came from, named by its errors."""
 
     kind: str
@@ -69,6 +69,21 @@ class Grammar:
     def lark(cls, source: str, param: str = "grammar") -> Grammar:
         """A Lark grammar in llguidance's dialect (``%json {...}`` embeds a schema)."""
         return cls._made("lark", source, llguidance.LLMatcher.grammar_from_lark, param)
+
+    @classmethod
+    def gbnf(cls, source: str, param: str = "grammar") -> Grammar:
+        """A grammar in llama.cpp's GBNF (llama-server's ``grammar``; ``root`` is the start),
+        translated to llguidance's Lark by llguidance."""
+        from llguidance.gbnf_to_lark import gbnf_to_lark
+
+        if not isinstance(source, str):
+            raise RequestError(f"{param}: a GBNF grammar must be text", param)
+        try:
+            lark = gbnf_to_lark(source)
+        except Exception as e:  # noqa: BLE001 - the translator raises plain Exception too
+            raise RequestError(f"{param}: not a GBNF grammar: {e}", param) from None
+        made = cls.lark(lark, param)
+        return cls("gbnf", source, made.text, param)
 
     @classmethod
     def regex(cls, source: str, param: str = "regex") -> Grammar:

@@ -138,9 +138,7 @@ class Model(Closing):
         self.n_embd: int = llama_cpp.llama_model_n_embd(ptr)
         self.n_layer: int = llama_cpp.llama_model_n_layer(ptr)
         self.n_vocab: int = llama_cpp.llama_vocab_n_tokens(self.vocab)
-        # llguidance's tokenizer of this vocabulary, made on first use (edgespec.grammar); it
-        # calls into the vocabulary, so it goes with the model.
-        self.guidance: Any = None
+        self.guidance: Any = None  # llguidance's tokenizer of the vocabulary (grammar.py)
 
     @property
     def ptr(self) -> Any:
@@ -177,7 +175,6 @@ class Model(Closing):
         if self._ptr is not None:
             llama_cpp.llama_model_free(self._ptr)
             self._ptr = None
-
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"n_layer={self.n_layer} n_embd={self.n_embd}"

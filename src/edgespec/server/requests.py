@@ -128,6 +128,10 @@ class _Sampling(BaseModel):
     frequency_penalty: Annotated[_Float, Field(ge=-2.0, le=2.0)] | None = None
     presence_penalty: Annotated[_Float, Field(ge=-2.0, le=2.0)] | None = None
     repeat_penalty: Annotated[_Float, Field(gt=0.0, le=10.0)] | None = None
+    # What the text must match beyond OpenAI's ``response_format``: a regular expression
+    # (vLLM's guided regex) or a GBNF grammar (llama-server's ``grammar``).
+    regex: Annotated[str, Field(strict=True, min_length=1)] | None = None
+    grammar: Annotated[str, Field(strict=True, min_length=1)] | None = None
     # Unimplemented (``_NEUTRAL``): Any, so any value reaches the refusal naming the field.
     n: Any = None
     # Token ids (decimal strings, as JSON keys are) to values in [-100, 100]; checked by
@@ -204,6 +208,8 @@ _FIELD_HELP = {
     "presence_penalty": "'presence_penalty' must be a number between -2 and 2",
     "repeat_penalty": "'repeat_penalty' must be a number greater than 0 and at most 10 "
                       "(1 = off)",
+    "regex": "'regex' must be a non-empty string (a regular expression the answer matches)",
+    "grammar": "'grammar' must be a non-empty string (a GBNF grammar the answer follows)",
     "prompt": "'prompt' must be a non-empty string (or a list of one)",
     "stream": "'stream' must be true or false",
     "stream_options": "'stream_options' must be an object like {\"include_usage\": true}",
@@ -315,6 +321,16 @@ def _check_tools(req: _ChatRequest) -> None:
 def _grammar(req: _Sampling) -> Grammar | None:
     """The grammar of a request: its ``response_format``'s, or the tool grammar (a forced
     call, one call at most, or calls or an answer of the ``response_format`` schema)."""
+    raw = [(k, v) for k, v in (("regex", req.regex), ("grammar", req.grammar)) if v is not None]
+    if raw:
+        name, source = raw[-1]
+        if len(raw) > 1:
+            raise RequestError("give one of 'regex' and 'grammar'", name)
+        if isinstance(req, _ChatRequest) and (req.response_format is not None
+                                              or tool_names(req) is not None):
+            raise RequestError(f"'{name}' sets what the answer must match: leave out "
+                               "'response_format' and 'tools' with it", name)
+        return Grammar.regex(source, name) if name == "regex" else Grammar.gbnf(source, name)
     if not isinstance(req, _ChatRequest):
         return None
     answer = Grammar.from_response_format(req.response_format)
