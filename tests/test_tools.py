@@ -210,13 +210,16 @@ def test_deltas_and_messages_in_openais_shape():
 
 # ---------------------------------------------------------------------- template input
 
+#: A turn that called a tool, and the tool's answer, as an OpenAI client sends them.
+CALLED = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}]
+
 def test_messages_and_tools_as_the_template_reads_them():
-    msgs = template_messages([
-        {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function",
-             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-        {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}])
+    msgs = template_messages(CALLED)
     assert msgs[1] == {"role": "assistant", "content": "", "tool_calls": [
         {"id": "call_1", "type": "function",
          "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
@@ -327,12 +330,7 @@ def test_the_call_tags_match_the_special_token_or_the_same_text(vocab):
 def test_the_models_template_renders_tools_calls_and_results(vocab):
     tok, _ = vocab
     assert template_takes_tools(tok.model.chat_template())
-    msgs = template_messages([
-        {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function",
-             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-        {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}])
+    msgs = template_messages(CALLED)
     prompt = tok.chat_prompt(msgs, tools=template_tools(TOOLS))
     assert "# Tools" in prompt and '"name": "get_weather"' in prompt
     assert "<|im_start|>assistant\n" + ONE + "<|im_end|>" in prompt

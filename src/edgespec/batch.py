@@ -82,18 +82,14 @@ class Sampling:
         """The text each of these tree nodes' targets follows: ``text`` and the node's path
         below the root."""
         parents, tokens = self.tree
-        memo: dict[int, list[int]] = {}
-
-        def below(n: int) -> list[int]:
-            if n <= 0 or n >= len(parents):
-                return []
-            got = memo.get(n)
-            if got is None:
-                got = memo[n] = [*below(parents[n]), tokens[n]]
-            return got
-
-        base = list(self.text)
-        return [base + below(int(n)) for n in nodes]
+        out = []
+        for n in nodes:
+            n, path = int(n), []
+            while 0 < n < len(parents):  # up to the root (parents come before children)
+                path.append(tokens[n])
+                n = parents[n]
+            out.append([*self.text, *reversed(path)])
+        return out
 
     def as_meta(self) -> dict:
         meta = {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p,
