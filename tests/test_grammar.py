@@ -178,3 +178,17 @@ def test_a_vocabularys_tokenizer_goes_with_its_model(real_model_path, tok):
         assert {tok.decode([int(t)]) for t in allowed} >= {"true", "false"}
     finally:
         second.close()
+
+
+def test_a_generated_text_the_grammar_cannot_follow_fails_the_batch(vocab, tok):
+    """The generated text was drawn under the mask, so a grammar that cannot follow it is a
+    fault (one of llguidance's limits): the stage refuses the batch instead of answering
+    unconstrained. A drafted row outside the grammar is no fault (it is never accepted)."""
+    params = GenerationParams(grammar=Grammar.regex("[0-9]+"))
+    digits, word = tok.encode("12", add_special=False), tok.encode("cat", add_special=False)
+    window = RowConstraints(_Window(vocab))
+    logits = np.zeros((2, vocab.n_vocab), np.float32)
+    fine = params.sampling.for_rows(digits, [-1, 0], [digits[-1], word[0]])
+    window.apply(logits, np.arange(2, dtype=np.int32), fine)  # the draft row: unmasked
+    with pytest.raises(ValueError, match="cannot follow the generated text"):
+        window.apply(logits[:1], np.zeros(1, np.int32), params.sampling.for_rows(word))

@@ -7,6 +7,8 @@ order, rolling back to where each row's path leaves the previous one (a token's 
 rollback costs a few microseconds; a mask 7-50). A row whose path leaves the grammar (a draft
 the grammar does not allow) keeps its logits unmasked: its parent's target was drawn under
 the mask, so it can never equal that row's token, and the row is never on an accepted path.
+The generated text itself was drawn under the mask: where the grammar cannot follow it
+(llguidance's limits), the batch fails with a ValueError instead of going on unconstrained.
 """
 
 from __future__ import annotations
@@ -44,10 +46,11 @@ class RowConstraints:
             for i, path in enumerate(paths):
                 penalize(out[i], path, sampling.penalties)
         if sampling.grammar is not None:
-            self._mask(out, paths, sampling.grammar)
+            self._mask(out, paths, sampling.grammar, len(sampling.text))
         return out
 
-    def _mask(self, out: np.ndarray, paths: list[list[int]], grammar: str) -> None:
+    def _mask(self, out: np.ndarray, paths: list[list[int]], grammar: str, n_text: int
+              ) -> None:
         from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
         from edgespec.tree import core
@@ -56,7 +59,14 @@ class RowConstraints:
         mask = allocate_token_bitmask(len(paths), out.shape[1])
         # Tree order is parents first: walking the rows in it moves the matcher least.
         for i in sorted(range(len(paths)), key=lambda i: len(paths[i])):
-            if follower.move(paths[i]) < len(paths[i]):
+            followed = follower.move(paths[i])
+            if followed < n_text and not follower.matcher.is_stopped():
+                # Every generated token was drawn under the mask: a grammar that cannot follow
+                # them hit one of llguidance's limits. The request fails rather than go on
+                # unconstrained.
+                raise ValueError(f"the grammar cannot follow the generated text at token "
+                                 f"{followed}: {follower.matcher.get_error() or 'refused'}")
+            if followed < len(paths[i]):
                 mask[i] = -1  # outside the grammar: never accepted, any target will do
                 continue
             fill_next_token_bitmask(follower.matcher, mask, i)
