@@ -617,7 +617,7 @@ def run_micro(vocab: Any, answer: list[int], grammar_text: str, sizes: list[int]
                 c = time.perf_counter() - t
                 buf = np.array(lg, dtype=np.float32, copy=True)
                 t = time.perf_counter()
-                constraints._mask(buf, s.paths(nodes.tolist()), grammar_text)  # noqa: SLF001
+                constraints._mask(buf, s.paths(nodes.tolist()), grammar_text, len(s.text))  # noqa: SLF001
                 d = time.perf_counter() - t
                 if rep:
                     t_con.append(a / n)
