@@ -14,6 +14,9 @@ import numpy as np
 
 from edgespec.tree.kvop import KvOp
 
+#: (frequency, presence, repetition) penalties that change nothing.
+NO_PENALTIES = (0.0, 0.0, 1.0)
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -40,7 +43,7 @@ class Sampling:
     #: theirs (``TargetScores``), computed where the target is drawn.
     logprobs: int = -1
     grammar: str | None = None
-    penalties: tuple[float, float, float] = (0.0, 0.0, 1.0)
+    penalties: tuple[float, float, float] = NO_PENALTIES
     #: Per batch, where ``follows_text``: the generated tokens up to and including the root.
     text: tuple[int, ...] = ()
     #: Per batch: (parents, tokens) of the tree nodes 0..m-1 (node 0 the root, its parent -1);
@@ -58,6 +61,10 @@ class Sampling:
     MAX_GRAMMAR = 1 << 20
     #: Generated tokens the repetition penalty looks back over (llama.cpp's default).
     REPEAT_WINDOW = 64
+    #: The largest frequency / presence penalty magnitude (OpenAI's range) and repetition
+    #: penalty (llama-server's bound).
+    MAX_PENALTY = 2.0
+    MAX_REPEAT_PENALTY = 10.0
 
     @property
     def greedy(self) -> bool:
@@ -67,7 +74,7 @@ class Sampling:
     def follows_text(self) -> bool:
         """Whether a row's distribution depends on the text before it (a grammar, a
         penalty): then each batch carries ``text`` and ``tree``."""
-        return self.grammar is not None or self.penalties != (0.0, 0.0, 1.0)
+        return self.grammar is not None or self.penalties != NO_PENALTIES
 
     def for_rows(self, text: Sequence[int], parents: Sequence[int] = (),
                  tokens: Sequence[int] = ()) -> Sampling:
@@ -100,7 +107,7 @@ class Sampling:
             meta["logprobs"] = self.logprobs
         if self.grammar is not None:
             meta["grammar"] = self.grammar
-        if self.penalties != (0.0, 0.0, 1.0):
+        if self.penalties != NO_PENALTIES:
             meta["penalties"] = list(self.penalties)
         if self.follows_text:
             meta["text"] = list(self.text)
@@ -129,11 +136,12 @@ class Sampling:
                                     or len(grammar) > cls.MAX_GRAMMAR):
             raise ValueError(f"META.sampling.grammar must be text of at most "
                              f"{cls.MAX_GRAMMAR} characters")
-        penalties = meta.get("penalties", [0.0, 0.0, 1.0])
+        penalties = meta.get("penalties", list(NO_PENALTIES))
         if (not isinstance(penalties, list) or len(penalties) != 3
                 or any(type(v) not in (int, float) for v in penalties)
-                or not (-2.0 <= penalties[0] <= 2.0 and -2.0 <= penalties[1] <= 2.0
-                        and 0.0 < penalties[2] <= 10.0)):
+                or not (abs(penalties[0]) <= cls.MAX_PENALTY
+                        and abs(penalties[1]) <= cls.MAX_PENALTY
+                        and 0.0 < penalties[2] <= cls.MAX_REPEAT_PENALTY)):
             raise ValueError(f"META.sampling.penalties: bad value {penalties!r}")
         text = meta.get("text", [])
         tree = meta.get("tree", [[], []])

@@ -131,11 +131,11 @@ class GenerationParams:
                                f"{type(self.grammar).__name__}", "grammar")
         for name in ("frequency_penalty", "presence_penalty"):
             value = _number(name, getattr(self, name), float)
-            if not -2.0 <= value <= 2.0:
+            if not abs(value) <= Sampling.MAX_PENALTY:
                 raise RequestError(f"{name} must be in [-2, 2], got {value}", name)
             set_(self, name, value)
         set_(self, "repeat_penalty", _number("repeat_penalty", self.repeat_penalty, float))
-        if not 0.0 < self.repeat_penalty <= 10.0:
+        if not 0.0 < self.repeat_penalty <= Sampling.MAX_REPEAT_PENALTY:
             raise RequestError(f"repeat_penalty must be in (0, 10] (1 = off), got "
                                f"{self.repeat_penalty}", "repeat_penalty")
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from edgespec.batch import Sampling
+from edgespec.batch import NO_PENALTIES, Sampling
 
 log = logging.getLogger("edgespec")
 
@@ -42,7 +42,7 @@ class RowConstraints:
         a new array (the runtime's output buffer is left alone)."""
         out = np.array(logits, dtype=np.float32, copy=True)
         paths = sampling.paths(nodes.tolist())
-        if sampling.penalties != (0.0, 0.0, 1.0):
+        if sampling.penalties != NO_PENALTIES:
             for i, path in enumerate(paths):
                 penalize(out[i], path, sampling.penalties)
         if sampling.grammar is not None:

@@ -345,6 +345,15 @@ class SpecEngine:
             ops, self.pending_ops = self.pending_ops, []
             self.chain.kv(ops)
 
+    def _for_rows(self, sampling: Sampling, root: int, parents: Sequence[int] = (),
+                  tokens: Sequence[int] = ()) -> Sampling:
+        """``sampling`` with the generated text up to ``root`` and the tree, where a row's
+        distribution depends on them (``Sampling.for_rows``); as it is, without copying the
+        history, where it does not."""
+        if not sampling.follows_text:
+            return sampling
+        return sampling.for_rows([*self.history[self._text_start:], root], parents, tokens)
+
     def _commit(self, tokens: Sequence[int]) -> None:
         self.history.extend(int(t) for t in tokens)
 
@@ -357,8 +366,7 @@ class SpecEngine:
         t = time.perf_counter()
         self._submit(Batch(np.array([root], np.int32), np.array([pos], np.int32),
                            SeqIds.single(1), np.zeros(1, np.int32), np.ones(1, bool),
-                           lap=self._new_lap(),
-                           sampling=sampling.for_rows([*self.history[self._text_start:], root])))
+                           lap=self._new_lap(), sampling=self._for_rows(sampling, root)))
         res = self.chain.next_result()
         self.stats.lap_timing.got(res)
         waited = time.perf_counter() - t
@@ -427,8 +435,8 @@ class SpecEngine:
             rnd.verifier.extend(tokens_all[start:stop], parents_all[start:stop], start)
         kv = KvOp.rows(ordered.ops)
         # Each row's distribution may depend on its path (a grammar, penalties).
-        sampling = sampling.for_rows([*self.history[self._text_start:], int(rnd.tree.root_token)],
-                                     parents_all[:stop], tokens_all[:stop])
+        sampling = self._for_rows(sampling, int(rnd.tree.root_token), parents_all[:stop],
+                                  tokens_all[:stop])
         count = max(1, min(n_segments, stop - start))
         bounds = rnd.tree.segment_bounds(count=count, start=start, stop=stop).tolist()
         for a, b in zip(bounds[:-1], bounds[1:], strict=True):
