@@ -65,6 +65,18 @@ def _fmt_gb(v) -> str:
     return f"{int(v) / 2**30:.1f}GB" if v else "-"
 
 
+def _fmt_device(r) -> str:
+    """A node's compute device for ``ring status``: its backend, and a discrete device's
+    free / total memory (a unified one shares the free RAM shown beside it)."""
+    if not r.backend:
+        return "-"
+    if r.backend == "cpu" or not r.device:
+        return "cpu"
+    if r.unified:
+        return f"{r.backend} (unified)"
+    return f"{r.backend} {_fmt_gb(r.free_vram)}/{_fmt_gb(r.total_vram)}"
+
+
 def _server_health(args: argparse.Namespace) -> tuple[str | None, dict | None, str | None]:
     """(URL, its /health, why not) of the `edgespec serve` holding the ring: --server, else
     the one running on this host (its record); (None, None, None) when there is none."""
@@ -132,7 +144,8 @@ def _ring_status(args: argparse.Namespace) -> int:
           f"{state.n_seq_max} sequences per context"
           + (f"; held by {', '.join(describe_holder(h) for h in holders.values())}"
              if holders else "; no head attached"))
-    print(f"{'node':<16} {'address':<22} {'layers':<12} {'free RAM':>9} {'RTT ms':>7}  state")
+    print(f"{'node':<16} {'address':<22} {'layers':<12} {'free RAM':>9} {'device':<20} "
+          f"{'RTT ms':>7}  state")
     bad = 0
     for r in rows:
         layers = ",".join(f"{a}:{b}" for _s, (a, b) in sorted(r.plan.items())) or "-"
@@ -149,7 +162,10 @@ def _ring_status(args: argparse.Namespace) -> int:
         if not r.left and r.state != "loaded":
             bad += 1
         print(f"{r.name[:16]:<16} {r.address:<22} {layers:<12} {_fmt_gb(r.free_ram):>9}"
-              f" {rtt:>7}  {state_txt}")
+              f" {_fmt_device(r)[:20]:<20} {rtt:>7}  {state_txt}")
+    for r in rows:
+        if r.device:
+            print(f"  {r.name}: {r.device}")
     if bad:
         print(f"{bad} node(s) of the plan are not serving it: run `edgespec ring rebalance`")
     _print_slots(url, health, why)

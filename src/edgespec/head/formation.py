@@ -90,7 +90,9 @@ def form_ring(addresses: Sequence[Address], model: str | os.PathLike[str], key: 
                                f"{describe_holder(other)}; stop it, go through it (`edgespec "
                                f"chat --server URL` for a running serve), or pass --take-over")
             prof = NodeProfile(h.node_id, h.name or m.name, m.address[0], m.address[1],
-                               free_mem=h.free_ram, rtt_ms=m.last_rtt_ms)
+                               free_mem=h.free_ram, rtt_ms=m.last_rtt_ms,
+                               device_mem=0 if h.unified else h.free_vram or 0,
+                               device_layers=h.gpu_layers)
             if profile and ranges is None and not send_shards:
                 log_fn(f"profiling {m.name} on {model_path.name}...")
                 try:

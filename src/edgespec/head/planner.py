@@ -7,7 +7,11 @@ into ``rounds`` windows visited in ring order (prima.cpp's piped ring: with k ro
 visits every node k times). The estimated lap time is compute plus one link latency per hop.
 
 Memory is what ``edgespec.head.memory`` counts a window to hold; where a ring does not fit,
-:func:`fit_plan` lets it hold fewer sequences, then puts the roomiest nodes at the ends.
+:func:`fit_plan` lets it hold fewer sequences, then puts the roomiest nodes at the ends. A node
+with a discrete GPU has two pools: the layers that fit in the device's free memory (weights and
+KV cache, after one ``WINDOW_OVERHEAD`` of compute buffers there) count against it, the rest
+and the ends' buffers against its RAM. A unified-memory device (integrated GPU, Jetson, Apple)
+reports no device pool: its layers count against the one pool, its RAM.
 """
 
 from __future__ import annotations
@@ -36,6 +40,17 @@ class NodeProfile:
     ms_per_layer: dict[int, float] = field(default_factory=dict)  # batch size -> ms per layer
     free_mem: int = 0  # bytes available for weights + KV
     rtt_ms: float = 0.0  # head <-> node round trip
+    device_mem: int = 0  # free bytes of a discrete GPU the node offloads to (0: none/unified)
+    device_layers: int | None = None  # the node's --n-gpu-layers cap (None: what fits)
+
+    def device_cap(self, layer_bytes: int, reserve: float) -> int:
+        """Layers of ``layer_bytes`` this node's GPU holds (its free memory less one window's
+        compute buffers, ``reserve`` of it)."""
+        if self.device_mem <= 0 or self.device_layers == 0:
+            return 0
+        n = max(0, int((self.device_mem * reserve - WINDOW_OVERHEAD) // max(layer_bytes, 1)))
+        return n if self.device_layers is None or self.device_layers < 0 else \
+            min(n, self.device_layers)
 
     def layer_ms(self, batch: int) -> float:
         if not self.ms_per_layer:
@@ -226,7 +241,8 @@ def plan_ring(n_layer: int, layer_bytes: int, nodes: Sequence[NodeProfile], *,
             else:
                 ends[0] += ends_need(memory, True, False, n_seq_max)
                 ends[-1] += ends_need(memory, False, True, n_seq_max)
-        caps = [max(0, int((n.free_mem * reserve - end) // max(layer_bytes, 1))) if n.free_mem else
+        caps = [max(0, int((n.free_mem * reserve - end) // max(layer_bytes, 1)))
+                + n.device_cap(layer_bytes, reserve) if n.free_mem else
                 n_layer for n, end in zip(nodes, ends, strict=True)]
         # Every ring member holds at least one layer; a node without room for one would be
         # given it anyway by _shares' minimum and then fail to load: say so here, by name.
@@ -251,6 +267,10 @@ def plan_ring(n_layer: int, layer_bytes: int, nodes: Sequence[NodeProfile], *,
         for i, n in enumerate(nodes):
             need = sum(window_need(memory, w.start, w.stop, n_ctx, n_seq_max)
                        for w in windows if w.node == i)
+            # What the GPU takes off RAM: its layers, the lightest counted (a lower bound).
+            held_layers = sorted(memory.layer_bytes(j, n_ctx) for w in windows if w.node == i
+                                 for j in range(w.start, w.stop))
+            need -= sum(held_layers[:min(len(held_layers), n.device_cap(layer_bytes, reserve))])
             if n.free_mem and need > n.free_mem * reserve:
                 held = ",".join(f"{w.start}:{w.stop}" for w in windows if w.node == i)
                 raise PlanError(f"node {n.name} ({n.host}:{n.port}) would need {need} bytes for "

@@ -44,6 +44,13 @@ class NodeView:
     rss: int | None = None
     rtt_ms: float | None = None
     error: str | None = None
+    # Its compute device as llama.cpp's backend reports it (node/offload.device_report):
+    # backend, device, a discrete device's free / total memory, or unified (one pool: free_ram).
+    backend: str | None = None
+    device: str | None = None
+    free_vram: int | None = None
+    total_vram: int | None = None
+    unified: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -67,6 +74,8 @@ class StageView:
     rtt_ms: float | None = None
     batches: int | None = None
     busy_s: float | None = None
+    device: str | None = None
+    gpu_layers: int | None = None  # of the window's layers, how many run on the device
 
 
 @dataclass
@@ -140,6 +149,9 @@ def _node_view(entry: NodeEntry, index: int | None, windows: Sequence[Window], l
     row.name = str(health.get("name") or row.name)
     row.rtt_ms, row.free_ram, row.rss = rtt_ms, health.get("free_ram"), health.get("rss")
     row.holder, row.node_id = health.get("holder"), health.get("node_id")
+    row.backend, row.device = health.get("backend"), health.get("device")
+    row.free_vram, row.total_vram = health.get("free_vram"), health.get("total_vram")
+    row.unified = bool(health.get("unified"))
     stages = health.get("stages") or {}
     row.held = {int(s): tuple(v.get("range", ())) for s, v in stages.items()}
     links_ok = all(v.get("next") not in (None, "none") or v.get("is_last")
@@ -167,7 +179,7 @@ def _assemble(model: str, n_ctx: int, windows: Sequence[Window], nodes: list[Nod
             w.stage, [w.start, w.stop], n.name, n.address, alive[w.node], h.get("backend"),
             h.get("free_ram"), h.get("free_vram"),
             None if n.rtt_ms is None else round(n.rtt_ms, 3), st.get("batches"),
-            st.get("busy_s")))
+            st.get("busy_s"), h.get("device"), st.get("gpu_layers")))
     view = RingView(model, n_ctx, stages, nodes)
     lost = sorted({s.node for s in stages if not s.alive})
     if lost:

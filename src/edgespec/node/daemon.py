@@ -35,6 +35,7 @@ from typing import Any, ClassVar
 
 from edgespec import __version__
 from edgespec.holder import PARENT_ENV, describe_holder
+from edgespec.node import offload
 from edgespec.node.datapath import HostedStage, StageLoop
 from edgespec.node.info import release_free_heap, rss_bytes
 from edgespec.tree.kvop import KvOp
@@ -66,7 +67,7 @@ class Node(StageLoop):
 
     def __init__(self, key: bytes, *, name: str | None = None, host: str = "0.0.0.0",
                  port: int = 0, cache_dir: str | os.PathLike[str] | None = None,
-                 n_gpu_layers: int = 0, n_threads: int | None = None,
+                 n_gpu_layers: int | None = None, n_threads: int | None = None,
                  node_id: str | None = None) -> None:
         from edgespec.llm import models
         from edgespec.node.info import load_or_create_node_id
@@ -209,7 +210,7 @@ class Node(StageLoop):
         return ctl.Done()
 
     def _op_health(self, conn: Connection, req: ctl.Health, blob: Any) -> ctl.HealthReply:
-        from edgespec.node.info import detect_backend, free_ram_bytes, free_vram_bytes
+        from edgespec.node.info import free_ram_bytes
 
         with self._lock:
             held = list(self.hosted.values())
@@ -227,11 +228,13 @@ class Node(StageLoop):
                 link = "none"
             stages[s.stage] = ctl.StageHealth(
                 range=s.layer_range, batches=s.batches, merged=s.merged, busy_s=round(s.busy_s, 3),
-                queued=s.inbox.qsize(), next=link, next_stage=s.next_stage, is_last=s.is_last)
+                queued=s.inbox.qsize(), next=link, next_stage=s.next_stage, is_last=s.is_last,
+                gpu_layers=getattr(s.runtime, "n_gpu_layers", None))
         return ctl.HealthReply(
             node_id=self.node_id, name=self.name, version=__version__, proto=PROTOCOL_VERSION,
-            backend=detect_backend(), free_ram=free_ram_bytes(), free_vram=free_vram_bytes(),
-            rss=rss_bytes(), holder=holder, stages=stages, time=time.time())
+            free_ram=free_ram_bytes(), **offload.device_report().as_dict(),
+            gpu_layers=self.n_gpu_layers, rss=rss_bytes(), holder=holder, stages=stages,
+            time=time.time())
 
     def _op_echo(self, conn: Connection, req: ctl.Echo, blob: Any) -> tuple[ctl.Done, Any]:
         return ctl.Done(), bytes(blob) if blob is not None else None
@@ -262,7 +265,8 @@ class Node(StageLoop):
         # would find each short by its own window).
         held = max(0, rss_bytes() - self._rss_bare) if self.hosted else 0
         out = profile_layers(model, cache_dir=self.cache_dir / "shards", n_threads=self.n_threads,
-                             n_gpu_layers=self.n_gpu_layers, batch_sizes=tuple(req.batch_sizes))
+                             n_gpu_layers=offload.profile_gpu_layers(self.n_gpu_layers),
+                             batch_sizes=tuple(req.batch_sizes))
         out["free_ram"] += held
         return ctl.ProfileReply.model_validate(out)
 
@@ -292,8 +296,10 @@ class Node(StageLoop):
                 assert model is not None
                 shard_dir = self.cache_dir / "shards"
                 path = cut_window(model, (a, b), shard_dir / shard_file_name(a, b, fp, model.stem))
+            ngl, why = offload.choose_gpu_layers(path, req.n_ctx, self.n_gpu_layers)
+            log.info("%s: stage %d (layers %d:%d): %s", self.name, stage, a, b, why)
             rt = StageRuntime(path, n_ctx=req.n_ctx, n_seq_max=req.n_seq_max,
-                              n_threads=self.n_threads, n_gpu_layers=self.n_gpu_layers,
+                              n_threads=self.n_threads, n_gpu_layers=ngl,
                               expect_fingerprint=fp or None)
             hosted = HostedStage(stage, (a, b), rt, is_last, encoding=req.encoding)
             hosted.thread = threading.Thread(target=self._run_hosted, args=(hosted,),
@@ -368,7 +374,9 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
                    help="ring key (default: $EDGESPEC_KEY_FILE, else ~/.config/edgespec/ring.key; "
                         "copy it from the head, where `edgespec keygen` made it)")
     p.add_argument("--cache", default=None, help="cache directory for models and shards")
-    p.add_argument("--n-gpu-layers", type=int, default=0, help="layers to offload to a GPU")
+    p.add_argument("--n-gpu-layers", type=int, default=None, metavar="L",
+                   help="layers of each window to put on the GPU (0: none, -1: all); default: "
+                        "as many as fit in the device's free memory with their KV cache")
     p.add_argument("--threads", type=int, default=None,
                    help="llama.cpp threads (default: physical cores / hosted windows)")
     p.add_argument("--no-mdns", action="store_true", help="do not advertise over mDNS")
@@ -430,6 +438,7 @@ def run_node_command(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     host, port = node.address
     print(f"edgespec node {node.name} ({node.node_id}) on {host}:{port}", flush=True)
+    print(f"edgespec node {node.name}: {offload.offload_summary(args.n_gpu_layers)}", flush=True)
     with contextlib.ExitStack() as stack:
         if not args.no_mdns:
             info = describe_this_node(node.name, port, node_id=node.node_id,

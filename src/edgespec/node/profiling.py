@@ -70,6 +70,7 @@ def profile_layers(model: str | Path, *, cache_dir: str | Path, n_threads: int |
     from edgespec.llm.gguf_read import fingerprint, read_info
     from edgespec.llm.shards import cut_window, shard_file_name
     from edgespec.node import info as node_info
+    from edgespec.node.offload import device_report
     from edgespec.node.runtime import StageRuntime
 
     model = Path(model)
@@ -107,7 +108,7 @@ def profile_layers(model: str | Path, *, cache_dir: str | Path, n_threads: int |
         rt.close()
         node_info.release_free_heap()
     return {"ms_per_layer": out, "layers_profiled": k, "free_ram": node_info.free_ram_bytes(),
-            "free_vram": node_info.free_vram_bytes(), "n_layer": info.n_layer}
+            "free_vram": device_report().free_vram, "n_layer": info.n_layer}
 
 
 #: Seconds to reach and ping another member when the head asks for round trips.

@@ -288,6 +288,7 @@ class StageRuntime(llamacpp.Closing):
         self.n_batch: int = self._ctx.n_batch  # may be below the request (clamped to n_ctx)
         self.n_seq_max: int = n_seq_max
         self.n_threads: int = self._ctx.n_threads
+        self.n_gpu_layers: int = n_gpu_layers
         self._mem = self._ctx.memory
         self._parking = KvParking()  # idle slots' sequences, parked (docs/design.md 5.8)
         self._alloc_batch()

@@ -248,6 +248,7 @@ class StageHealth(_Model):
     next: StrictStr  # "head", "local:<stage>", "<host>:<port>" or "none"
     next_stage: StrictInt
     is_last: StrictBool
+    gpu_layers: StrictInt | None = None  # the window's layers on the GPU (n_gpu_layers)
 
 
 class HealthReply(Reply):
@@ -257,7 +258,11 @@ class HealthReply(Reply):
     proto: StrictInt
     backend: StrictStr
     free_ram: StrictInt
-    free_vram: StrictInt | None = None
+    free_vram: StrictInt | None = None  # a discrete device's free memory; None on unified
+    total_vram: StrictInt | None = None
+    device: StrictStr | None = None  # "Vulkan0: llvmpipe (...)", "CUDA0: NVIDIA ..."; None: CPU
+    unified: StrictBool = False  # the device's memory is the RAM in free_ram (one pool)
+    gpu_layers: StrictInt | None = None  # --n-gpu-layers; None: as many as fit
     rss: StrictInt
     holder: HeadIdentity | None = None
     stages: dict[int, StageHealth]
