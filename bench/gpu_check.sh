@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # GPU check: build llama-cpp-python with CUDA, run a 2-node ring on this machine with every
-# layer of both windows on the GPU (--n-gpu-layers 99), and check the ring's greedy answer
-# against the unsplit model (on the CPU build's reference path: tests/ring_fixtures'
+# layer of both windows on the GPU (--n-gpu-layers 99), and check the ring's greedy answer in
+# modes none, sync and flow against the unsplit model on the CPU (tests/ring_fixtures'
 # assert_same_greedy, which accepts a difference only at a near-tie of the unsplit logits).
 #
 #   bash bench/gpu_check.sh                # from the repository root, on a machine with CUDA
 #   CUDA_ARCH=87 bash bench/gpu_check.sh   # Jetson Orin (sets CMAKE_CUDA_ARCHITECTURES)
 #
-# Prints one JSON line (the GPU, the tokens compared, the verdict) and exits non-zero on a
-# real difference. Nothing here runs in the default test suite: the project's machines have no
+# Prints one JSON line (the GPU, each node's device as `ring status` shows it, per mode the
+# tokens compared, tokens/s and the verdict) and exits non-zero on a real difference. Nothing here runs in the default test suite: the project's machines have no
 # GPU. It needs the CUDA toolkit (nvcc) and about 10 minutes for the build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,7 +20,10 @@ VENV=${VENV:-.venv-gpu}
 ARGS="-DGGML_CUDA=on"
 [ -n "${CUDA_ARCH:-}" ] && ARGS="$ARGS -DCMAKE_CUDA_ARCHITECTURES=$CUDA_ARCH"
 python3 -m venv "$VENV"
-CMAKE_ARGS="$ARGS" "$VENV/bin/pip" install -q --no-binary llama-cpp-python -e ".[test]"
+# pip's wheel cache is keyed by the sdist, not CMAKE_ARGS: bypass it, or a cached CPU wheel
+# comes back (and a CUDA one would poison the cache for CPU venvs).
+CMAKE_ARGS="$ARGS" "$VENV/bin/pip" install -q --no-cache-dir --no-binary llama-cpp-python \
+  -e ".[test]"
 "$VENV/bin/python" -c "import llama_cpp; assert llama_cpp.llama_supports_gpu_offload(), 'llama.cpp built without GPU offload'"
 
 WORK=$(mktemp -d)
@@ -38,7 +41,7 @@ sleep 5
   --key-file "$KEY" --no-profile > "$WORK/up.log"
 
 PYTHONPATH=tests "$VENV/bin/python" - "$MODEL" "$KEY" <<'EOF'
-import json, subprocess, sys
+import json, subprocess, sys, time
 from pathlib import Path
 
 from ring_fixtures import assert_same_greedy, unsplit_greedy
@@ -48,16 +51,25 @@ from edgespec.api import Ring
 model, key = Path(sys.argv[1]), sys.argv[2]
 gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
                      capture_output=True, text=True).stdout.strip()
+results, bad = {}, False
 with Ring.attach(key=key, spec="none") as ring:
     prompt = ring.tokenizer.encode("def fibonacci(n):", add_special=True, parse_special=False)
-    got = ring.generate(prompt, max_tokens=32).tokens
-    backends = sorted({s.get("backend") for s in ring.describe()["stages"]})
-ref = unsplit_greedy(model, prompt, 32)
-verdict = "identical" if got == ref else "near-tie"
-try:
-    assert_same_greedy(got, ref, model, prompt, "GPU ring vs unsplit")
-except AssertionError as e:
-    verdict = f"DIFFERENT: {e}"
-print(json.dumps({"gpu": gpu, "backends": backends, "tokens": len(got), "verdict": verdict}))
-sys.exit(0 if not verdict.startswith("DIFFERENT") else 1)
+    view = ring.describe()
+    devices = [f"{s.get('node')}: {s.get('device') or s.get('backend')}, "
+               f"{s.get('gpu_layers')} layers on the GPU" for s in view["stages"]]
+    ref = unsplit_greedy(model, prompt, 64)
+    for mode in ("none", "sync", "flow"):
+        ring.reset()
+        t0 = time.perf_counter()
+        got = ring.generate(prompt, max_tokens=64, spec=mode).tokens
+        dt = time.perf_counter() - t0
+        verdict = "identical" if got == ref else "near-tie"
+        try:
+            assert_same_greedy(got, ref, model, prompt, f"GPU ring ({mode}) vs unsplit")
+        except AssertionError as e:
+            verdict, bad = f"DIFFERENT: {e}", True
+        results[mode] = {"tokens": len(got), "tok_s": round(len(got) / dt, 1),
+                         "verdict": verdict}
+print(json.dumps({"gpu": gpu, "stages": devices, "modes": results}))
+sys.exit(1 if bad else 0)
 EOF
