@@ -78,7 +78,9 @@ fi
 # The Vulkan wheel first (no pip cache), so that edgespec's requirement finds it satisfied.
 "$VENV/bin/pip" install -q --no-cache-dir --force-reinstall --no-deps "$wheel"
 "$VENV/bin/pip" install -q -e ".[test]"
-"$VENV/bin/python" - <<'EOF'
+# Vulkan hides CPU-type devices (lavapipe) unless named: device 0 is lavapipe where it is the
+# only one, the first GPU elsewhere.
+GGML_VK_VISIBLE_DEVICES=${GGML_VK_VISIBLE_DEVICES:-0} "$VENV/bin/python" - <<'EOF'
 from edgespec.llm import devices
 found = devices.list_devices()
 gpus = [d for d in found if d.kind != "cpu"]

@@ -57,6 +57,10 @@ class Device:
 def _lib() -> Any:
     import llama_cpp
 
+    from edgespec.llm.llamacpp import _ensure_backend
+
+    _ensure_backend()  # llama.cpp's log goes through edgespec's (quiet unless verbose) first
+
     lib_dir = Path(llama_cpp.__file__).parent / "lib"
     found = sorted(lib_dir.glob("libggml.so*")) + sorted(lib_dir.glob("libggml.dylib")) \
         + sorted(lib_dir.glob("ggml.dll"))
@@ -117,3 +121,9 @@ def backend_of(device: Device | None) -> str:
         if name.startswith(prefix):
             return backend
     return "gpu"
+
+
+def software_device() -> bool:
+    """Whether llama.cpp offloads to a software Vulkan device (Mesa's llvmpipe / lavapipe)."""
+    found = offload_devices()
+    return bool(found) and "llvmpipe" in found[0].description.lower()

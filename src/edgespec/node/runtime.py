@@ -41,6 +41,7 @@ import numpy as np
 from edgespec.batch import SeqIds
 from edgespec.llm import capi, llamacpp
 from edgespec.llm.architectures import ARCHITECTURES
+from edgespec.llm.devices import software_device
 from edgespec.llm.gguf_read import CorruptShardError, ShardError, ShardInfo, file_sha256, read_info
 from edgespec.llm.kv_park import KvParking
 from edgespec.llm.shards import MANIFEST_NAME, Manifest, cut_window, shard_file_name
@@ -201,7 +202,9 @@ class StageRuntime(llamacpp.Closing):
             attention makes a 1-row batch differ from the same row in a bigger batch (4e-3 on
             the tiny test models), which breaks "tree logits == sequential logits", and it is not
             faster on CPU (Qwen 0.5B, 1 thread: 32.5 ms either way at batch 1). With offload, None
-            leaves llama.cpp's automatic choice.
+            leaves llama.cpp's automatic choice, except on Mesa's lavapipe (a Vulkan device on
+            the CPU), where llama.cpp's Vulkan flash-attention shader crashes the driver (Mesa
+            22.3: a segfault in its queue thread on a tree-verification workload): off there.
 
     Raises:
         FileNotFoundError, CorruptShardError, FingerprintMismatchError, ShardError,
@@ -278,7 +281,8 @@ class StageRuntime(llamacpp.Closing):
             self._ctx = llamacpp.new_context(
                 self._model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_seq_max=n_seq_max,
                 kv_unified=True, n_threads=n_threads, cb_eval=cb, cb_eval_user_data=ud,
-                flash_attn=flash_attn if flash_attn is not None or n_gpu_layers != 0 else False)
+                flash_attn=flash_attn if flash_attn is not None
+                else None if n_gpu_layers != 0 and not software_device() else False)
             if self.is_first or self.is_last:  # the windows with the model's vocabulary
                 self._ctx.release_output_reserve()
         except BaseException:
