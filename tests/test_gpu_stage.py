@@ -35,10 +35,11 @@ PROMPT = "# Check whether a number is prime\ndef is_prime(n):"
 
 #: CPU vs GPU. The backends sum the same products in other orders (tiled dot products, other
 #: splits of each reduction), and llama.cpp's Vulkan backend on a device with fp16 support
-#: (lavapipe says `fp16: 1`) rounds matmul inputs and attention to float16: an 11-bit mantissa,
-#: a relative step of 4.9e-4 per rounding, against float32 on the CPU. The hidden states of
-#: this model have outlier channels near 855 (steps of 0.5 in float16), so their bound is
-#: relative to the largest |value| of the CPU's states. Measured on lavapipe (Mesa 22.3, the
+#: (lavapipe says `fp16: 1`) accumulates matrix-matrix products of quantized and f16 weights
+#: in float16 at default precision (``ggml_vk_get_mul_mat_mat_f16acc``): an 11-bit mantissa,
+#: 4.9e-4 relative per addition, about sqrt(896) x that (1.5e-2) over a row of this model's
+#: width, against float32 sums on the CPU. The hidden states have outlier channels near 855,
+#: so their bound is relative to the largest |value| of the CPU's states. Measured on lavapipe (Mesa 22.3, the
 #: 0.5B's windows of 12 layers, 14-row prompt and a decode row; docs/experiments.md 15):
 #: hidden 1.7e-2 fully offloaded (8.9e-5 with 6 of 12 layers: rounding there starts later),
 #: logits 0.77-0.80 of a range near +-30. The bounds are about 2x those.
