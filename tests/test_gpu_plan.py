@@ -94,6 +94,12 @@ def test_each_window_offloads_what_fits_unless_told(tiny_qwen2: Path) -> None:  
     assert offload.profile_gpu_layers(None, big) == offload.ALL_LAYERS
     assert offload.profile_gpu_layers(0, big) == 0
     assert "unified with RAM" in offload.offload_summary(None, one_pool)
+    lavapipe = offload.DeviceReport("vulkan", "Vulkan0: llvmpipe (LLVM 15.0.6, 256 bits)", None,
+                                    None, True)
+    assert offload.choose_gpu_layers(tiny_qwen2, 512, None, lavapipe)[0] == 0  # the CPU is faster
+    assert offload.choose_gpu_layers(tiny_qwen2, 512, -1, lavapipe)[0] == -1
+    assert offload.profile_gpu_layers(None, lavapipe) == 0
+    assert "software device" in offload.offload_summary(None, lavapipe)
     assert "16.0 of 16.0 GiB free" in offload.offload_summary(None, big)
 
 
