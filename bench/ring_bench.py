@@ -705,6 +705,10 @@ def write_report(out: Path, prefix: str, rows: list[dict[str, Any]], ident: dict
           "1-minute load average at the "
           "end of each generation (2 logical CPUs here, shared with other users).", ""]
     md += [f"![tokens/s against link delay]({prefix}.png)", ""]
+    for unit, ring in settings.get("rings", {}).items():
+        md += [f"Ring {unit}: formed over mDNS in {ring['up_s']} s, " + " -> ".join(
+            f"{n} layers {a}:{b}" for n, (_s, a, b) in zip(ring["nodes"], ring["windows"],
+                                                           strict=False)) + ".", ""]
     if settings.get("emulator"):
         md += ["Link emulator's own CPU (outside every share): " + ", ".join(
             f"{k}: {v['cpu_share']:.1%} of a core" for k, v in settings["emulator"].items()),
@@ -764,8 +768,13 @@ def head_worker(cfg_path: str) -> int:
     ring, counters, _cpu = lab_ring(Path(cfg["target"]),
                                     Path(cfg["draft"]) if cfg["draft"] else None,
                                     cfg["drafter"], cfg, cfg["engine"], cfg["parallel"])
-    log(f"  ring up over mDNS in {time.perf_counter() - t:.1f} s: "
-        + " -> ".join(m.name for m in ring.chain.members))
+    took = time.perf_counter() - t
+    windows = [[w.stage, w.start, w.stop] for w in ring.chain.plan.windows]
+    names = [m.name for m in ring.chain.members]
+    log(f"  ring up over mDNS in {took:.1f} s: " + " -> ".join(
+        f"{n} {a}:{b}" for n, (_s, a, b) in zip(names, windows, strict=False)))
+    Path(cfg["ring_path"]).write_text(json.dumps({"up_s": round(took, 1), "nodes": names,
+                                                  "windows": windows}))
     with ring:
         run_ring(ring, counters, cfg["prompts"], cfg["n_tokens"], cfg["link"], cfg["drafter"],
                  cfg["modes"], [None if b == "auto" else b for b in cfg["budgets"]],
@@ -959,7 +968,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    "key_file": str(tb.key_file), "devices": stages,
                                    "wire_netns": tb.lab.hosts["wire"].netns,
                                    "head_ip": tb.lab.head.address,
-                                   "runs_path": str(runs_path.resolve()), "unit": unit}
+                                   "runs_path": str(runs_path.resolve()), "unit": unit,
+                                   "ring_path": str(Path(tmp) / "ring.json")}
                             cfg_path = Path(tmp) / "head.json"
                             cfg_path.write_text(json.dumps(cfg))
                             p = tb.head_popen([sys.executable, "-m", "bench.ring_bench",
@@ -967,6 +977,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                             if p.wait() != 0:
                                 raise SystemExit(f"{unit}: the head exited {p.returncode}")
                             settings["emulator"][unit] = emu.usage()
+                            settings.setdefault("rings", {})[unit] = json.loads(
+                                (Path(tmp) / "ring.json").read_text())
                         cpu1 = tb.device_cpu()
                         settings["device_cpu"][unit] = {
                             n: {k: v - cpu0.get(n, {}).get(k, 0) for k, v in st.items()}
@@ -1019,6 +1031,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     proj = None
     if not args.no_projection and any(r["mode"] == "none" for r in rows):
         proj = {"check": projection_mod.check(rows, link_spec)}
+        traces = projection_mod.traces_of(rows)
+        curve = REPO / "bench" / "results" / "row_cost_curve.json"
+        if traces and curve.exists():
+            proj["devices"] = projection_mod.project_devices(
+                traces, projection_mod.cpu_row_cost(json.loads(curve.read_text())),
+                projection_mod.MODELS_GB,
+                {k: LinkSpec(delay_ms=v) for k, v in projection_mod.PROJECTED_LINKS_MS.items()},
+                overhead_ms=proj["check"].get("overhead_ms_per_lap", 0.0))
+            proj["device_sources"] = {k: v["source"]
+                                      for k, v in projection_mod.DEVICES.items()}
         (out / f"{prefix}_projection.json").write_text(json.dumps(proj, indent=1))
     write_report(out, prefix, rows, ident, proj, settings, host, command)
     summary = {"out": str(out), "prefix": prefix, "where": settings["where"]["where"],

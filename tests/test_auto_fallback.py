@@ -244,3 +244,15 @@ def test_ring_rates_fed_by_slot_threads_lose_no_tree_step() -> None:
     assert steps == tokens == RingRates.LONG_RUN
     assert seconds == pytest.approx(RingRates.LONG_RUN * 0.002)
     assert rates.plain_ms == pytest.approx(10.0)
+
+
+def test_beside_others_a_tree_step_counts_once_for_every_request_decoding() -> None:
+    """A tree step's rows hold up every request decoding on the ring: while k decode, its
+    time counts k times. Trees twice as fast as plain laps for their own request pay alone,
+    not beside another request (they would cost it as much as they save)."""
+    meter = GainMeter()
+    meter.record_plain(0.1)  # plain laps: 10 tok/s
+    twice = [(8, 0.4)] * GainMeter.TRIAL_MAX  # 20 tok/s for the request itself
+    assert _trial(meter, twice)
+    assert not _trial(meter, twice, sharers=2)
+    assert _trial(meter, [(40, 0.4)] * GainMeter.TRIAL_MAX, sharers=4)  # 100 tok/s: still pays
