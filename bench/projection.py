@@ -119,7 +119,31 @@ def check(rows: list[dict[str, Any]], link_spec, tolerance: float = 0.15) -> dic
 #: ``model_gb``: the size of the model file measured; ``mem_gb``: the device's memory.
 #: ``flat_rows``: rows a decode call takes at about one row's cost (a GPU's matrix kernels are
 #: bound by reading the weights up to there; a CPU's cost grows with rows from the start).
-DEVICES: dict[str, dict[str, Any]] = {}
+DEVICES: dict[str, dict[str, Any]] = {
+    "4 x Jetson Orin Nano 8 GB": {
+        "count": 4, "mem_gb": 8, "tg_tok_s": 32.1, "model_gb": 1.12, "flat_rows": 16,
+        "source": "llama.cpp CUDA, Qwen2.5-Coder-1.5B Q4_K_M, 32.1 tok/s at concurrency 1 "
+                  "(github.com/paiml/realizar issue 120, 2026-03)"},
+    "4 x Raspberry Pi 5 8 GB": {
+        "count": 4, "mem_gb": 8, "tg_tok_s": 2.57, "model_gb": 3.825,
+        "source": "llama-bench tg128, Amber 7B (llama architecture) Q4_0_4_4, 3.825 GB, "
+                  "4 threads: 2.57 tok/s (huggingface.co/spaces/nyunai/edge-llm-leaderboard, "
+                  "its Raspberry Pi 5 (8GB) table)"},
+    "3 x N100 mini PC 16 GB": {
+        "count": 3, "mem_gb": 16, "tg_tok_s": 3.01, "model_gb": 4.92,
+        "source": "llama-bench tg128, Llama 3.1 8B Q4_K_M (4.92 GB): 3.01 tok/s "
+                  "(github.com/brand-o/normiebench issue 38, an N100 with 16 GB, 2026-03)"},
+    "2 x Ryzen 7 8840U laptop 32 GB": {
+        "count": 2, "mem_gb": 30, "tg_tok_s": 9.63, "model_gb": 4.92,
+        "source": "llama-bench tg128 on the CPU, Llama 3.1 8B Q4_K_M (4.92 GB): 9.63 tok/s "
+                  "(github.com/brand-o/normiebench issue 8, 2026-03)"},
+}
+
+#: Q4_K_M GGUF file sizes in GB (as published with the models' GGUF releases).
+MODELS_GB = {"7B": 4.68, "14B": 8.99, "32B": 19.85, "70B": 42.52}
+
+#: The projected links: one-way delays (ms) of a wired LAN and of a link between two sites.
+PROJECTED_LINKS_MS = {"wired 1 ms": 1.0, "sites 50 ms": 50.0}
 
 
 def project_devices(traces: dict[str, dict[str, float]], cpu_row_cost: dict[int, float],
@@ -157,6 +181,13 @@ def project_devices(traces: dict[str, dict[str, float]], cpu_row_cost: dict[int,
                                 "mode": mode, "fits": fits,
                                 "projected_tok_s": round(1000.0 / ms, 2) if fits else None})
     return out
+
+
+def cpu_row_cost(row_cost_curve: dict[str, Any]) -> dict[int, float]:
+    """A CPU decode call's cost by rows, relative to one row: the middle target window of
+    ``bench/row_cost_curve.py``'s result (the first curve)."""
+    ms = {int(k): float(v) for k, v in row_cost_curve["curves"][0]["ms"].items()}
+    return {r: v / ms[1] for r, v in sorted(ms.items())}
 
 
 def _interp(curve: dict[int, float], x: float) -> float:
@@ -202,9 +233,28 @@ def markdown(check_: dict[str, Any], projected: list[dict[str, Any]] | None = No
                      f"{c['measured_tok_s']:.2f} | {c['predicted_tok_s']:.2f} | "
                      f"{c['error']:+.0%}{mark} |")
     if projected:
+        modes = list(dict.fromkeys(p["mode"] for p in projected))
         lines += ["", "### PROJECTION to named devices (modelled, not measured)", "",
-                  "| ring | model | link | mode | projected tok/s |", "|---|---|---|---|---:|"]
+                  "Each device's whole-model decode time from its public llama.cpp figure "
+                  "(sources below) scaled by model bytes, layers split evenly; a CPU's lap of r "
+                  "rows costs what r rows cost here (bench/results/row_cost_curve.json), a "
+                  "GPU's one row's up to 16 rows; acceptance, laps, steps and drafting per "
+                  "token as measured on the lab above (a 1.5B target drafted by a 0.5B); the "
+                  "lab's overhead per lap. A model fits where its share is at most 80% of a "
+                  "device's memory.", "",
+                  "| ring | model | link | " + " | ".join(modes) + " |",
+                  "|---|---|---|" + "---:|" * len(modes)]
+        cells: dict[tuple, dict[str, str]] = {}
         for p in projected:
-            v = "does not fit" if not p["fits"] else f"{p['projected_tok_s']:.2f}"
-            lines.append(f"| {p['ring']} | {p['model']} | {p['link']} | {p['mode']} | {v} |")
+            v = "-" if not p["fits"] else f"{p['projected_tok_s']:.2f}"
+            cells.setdefault((p["ring"], p["model"], p["link"]), {})[p["mode"]] = v
+        for (ring, model, link), by in cells.items():
+            if all(v == "-" for v in by.values()):
+                v = "does not fit"
+                lines.append(f"| {ring} | {model} | {link} | " + " | ".join(
+                    [v] + [""] * (len(modes) - 1)) + " |")
+                continue
+            lines.append(f"| {ring} | {model} | {link} | "
+                         + " | ".join(by.get(m, "") for m in modes) + " |")
+        lines += ["", "Sources:", ""] + [f"- {k}: {v['source']}" for k, v in DEVICES.items()]
     return "\n".join(lines) + "\n"
