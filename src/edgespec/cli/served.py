@@ -47,18 +47,18 @@ class _Record:
             self.written = True
 
 
-def local_url(host: str, port: int) -> str:
+def local_url(host: str, port: int, scheme: str = "http") -> str:
     """The URL this host reaches a server listening on ``host:port`` at."""
-    return f"http://{_url_host(host)}:{port}"
+    return f"{scheme}://{_url_host(host)}:{port}"
 
 
 @contextlib.contextmanager
-def serve_record(host: str, port: int):
+def serve_record(host: str, port: int, scheme: str = "http"):
     """The record for the server's lifetime: written now when the port is known, else by
     ``record.write(url)`` once the server listens."""
     record = _Record()
     if port:
-        record.write(local_url(host, port))
+        record.write(local_url(host, port, scheme))
     try:
         yield record
     finally:
