@@ -7,6 +7,8 @@ shape."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from doors_server import CAT, KEY, MODEL, RAINING, RESULT, WEATHER_PARAMS, is_cat, shared, \
     uses_result
@@ -16,6 +18,8 @@ from edgespec.server.requests import _BadRequest
 
 anthropic = pytest.importorskip("anthropic")
 
+# The SDK no longer takes sampling settings; the API still does (older clients send them).
+GREEDY = {"temperature": 0}
 WEATHER = {"name": "get_weather", "description": "Get the current weather in a city",
            "input_schema": WEATHER_PARAMS}
 
@@ -57,7 +61,7 @@ def _ask(text: str) -> list[dict]:
 
 @pytest.mark.real_model
 def test_a_message_streamed_and_not(client):
-    kw = {"model": MODEL, "max_tokens": 8, "temperature": 0,
+    kw = {"model": MODEL, "max_tokens": 8, "extra_body": GREEDY,
           "messages": _ask("What is the capital of Japan?")}
     r = client.messages.create(**kw)
     assert r.type == "message" and r.role == "assistant" and r.content[0].type == "text"
@@ -72,7 +76,7 @@ def test_a_message_streamed_and_not(client):
 
 @pytest.mark.real_model
 def test_stop_sequences_name_the_one_met(client):
-    r = client.messages.create(model=MODEL, max_tokens=24, temperature=0,
+    r = client.messages.create(model=MODEL, max_tokens=24, extra_body=GREEDY,
                                stop_sequences=["Tokyo"],
                                messages=_ask("What is the capital of Japan?"))
     assert r.stop_reason == "stop_sequence" and r.stop_sequence == "Tokyo"
@@ -80,8 +84,15 @@ def test_stop_sequences_name_the_one_met(client):
 
 
 @pytest.mark.real_model
-def test_json_schema_answer_through_a_forced_tool(client):
-    r = client.messages.create(model=MODEL, max_tokens=64, temperature=0,
+def test_json_schema_answers_validate(client):
+    """Structured output (``output_config.format``), and the older way: a forced tool whose
+    input is the schema."""
+    r = client.messages.create(model=MODEL, max_tokens=64, extra_body=GREEDY,
+                               messages=_ask("Describe a cat in JSON."),
+                               output_config={"format": {"type": "json_schema",
+                                                         "schema": CAT}})
+    assert is_cat(json.loads(r.content[0].text)), r.content
+    r = client.messages.create(model=MODEL, max_tokens=64, extra_body=GREEDY,
                                messages=_ask("Describe a cat."),
                                tools=[{"name": "record_cat", "description": "Record a cat",
                                        "input_schema": CAT}],
@@ -95,7 +106,7 @@ def test_json_schema_answer_through_a_forced_tool(client):
 def test_a_tool_round_trip(client, stream):
     """tool_use forced with tool_choice, the tool_result sent back, the final answer in
     text (tool_choice none: the tools are not offered then)."""
-    kw = {"model": MODEL, "max_tokens": 64, "temperature": 0, "tools": [WEATHER]}
+    kw = {"model": MODEL, "max_tokens": 64, "extra_body": GREEDY, "tools": [WEATHER]}
     ask = _ask(RAINING)
     forced = {"type": "tool", "name": "get_weather"}
     if stream:
@@ -118,7 +129,7 @@ def test_a_tool_round_trip(client, stream):
 def test_errors_in_anthropics_shape_never_reach_the_ring(client):
     srv = shared()
     before = srv.http("GET", "/health")[1]["completed"]
-    cases = [({"temperature": 1.5}, "temperature"),
+    cases = [({"extra_body": {"temperature": 1.5}}, "temperature"),
              ({"messages": [{"role": "user", "content": [
                  {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                               "data": "aGk="}}]}]}, "image"),

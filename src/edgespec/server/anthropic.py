@@ -7,7 +7,8 @@ that speak Anthropic knock on), one body or the streamed events (``message_start
 A request becomes the OpenAI chat request (``doors.openai_chat``) the OpenAI door runs:
 ``system``, the messages' text, ``tool_use`` and ``tool_result`` blocks, ``tools``
 (``input_schema``), ``tool_choice`` (auto, any, tool, none; ``disable_parallel_tool_use``),
-``stop_sequences``, ``max_tokens``, ``temperature``, ``top_p`` and ``top_k``. Other blocks
+``stop_sequences``, ``max_tokens``, ``output_config.format`` (a JSON schema the answer
+follows), ``temperature``, ``top_p`` and ``top_k``. Other blocks
 (images, documents, thinking), ``thinking`` enabled and a field outside the API are a 400
 naming it. Errors are Anthropic's ``{"type": "error", "error": {"type", "message"}}``."""
 
@@ -26,6 +27,7 @@ from edgespec.server.doors import (
     answered_in,
     call_arguments,
     check,
+    json_schema_format,
     openai_chat,
     read_json,
     stop_sequence,
@@ -110,6 +112,18 @@ class _Choice(BaseModel):
     disable_parallel_tool_use: Annotated[bool, Field(strict=True)] | None = None
 
 
+class _Format(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["json_schema"]
+    schema_: dict[_Str, Any] = Field(alias="schema")
+
+
+class _Output(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    format: _Format | None = None
+    effort: Any = None
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: _Str
@@ -127,6 +141,9 @@ class _Request(BaseModel):
     metadata: dict[_Str, Any] | None = None
     thinking: dict[_Str, Any] | None = None
     service_tier: Literal["auto", "standard_only"] | None = None
+    # Structured output: the answer follows ``format.schema``.
+    output_config: _Output | None = None
+    cache_control: dict[_Str, Any] | None = None
 
 
 _HELP = {"temperature": "'temperature' must be a number between 0 and 1",
@@ -182,10 +199,14 @@ def _messages(req: _Request) -> list[dict[str, Any]]:
 def _openai_body(req: _Request) -> dict[str, Any]:
     if req.thinking and req.thinking.get("type") != "disabled":
         raise unsupported("thinking", "send {\"type\": \"disabled\"} or leave it out")
+    out = req.output_config
+    if out is not None and out.effort is not None:
+        raise unsupported("output_config.effort", "leave it out")
     body: dict[str, Any] = {
         "model": req.model, "max_tokens": req.max_tokens, "messages": _messages(req),
         "stop": req.stop_sequences, "temperature": req.temperature, "top_p": req.top_p,
-        "top_k": req.top_k}
+        "top_k": req.top_k, "response_format": json_schema_format(out.format.schema_)
+        if out is not None and out.format is not None else None}
     if req.tools:
         body["tools"] = [{"type": "function", "function": {
             "name": t.name, "parameters": t.input_schema,
@@ -215,8 +236,8 @@ class AnthropicDoor:
     async def messages(self, request: Request) -> Response:
         req = check(_Request, await read_json(self.runs, request), _HELP)
         body = _openai_body(req)
-        run = await self.runs.start(
-            lambda: openai_chat(body, {"stop": "stop_sequences"}), "msg_")
+        run = await self.runs.start(lambda: openai_chat(body, {
+            "stop": "stop_sequences", "response_format": "output_config"}), "msg_")
         if req.stream:
             return StreamingResponse(self._events(req, run), media_type="text/event-stream")
         gen = await self.runs.collect(request, run)
