@@ -10,8 +10,17 @@ from __future__ import annotations
 import json
 
 import pytest
-from doors_server import CAT, KEY, MODEL, RAINING, RESULT, WEATHER_PARAMS, is_cat, shared, \
-    uses_result
+from doors_server import (
+    CAT,
+    KEY,
+    MODEL,
+    RAINING,
+    RESULT,
+    WEATHER_PARAMS,
+    is_cat,
+    shared,
+    uses_result,
+)
 
 from edgespec.server.anthropic import _openai_body, _Request
 from edgespec.server.requests import _BadRequest

@@ -9,8 +9,18 @@ from __future__ import annotations
 import json
 
 import pytest
-from doors_server import CAT, KEY, MODEL, RAINING, REPLY, RESULT, WEATHER_PARAMS, is_cat, \
-    shared, uses_result
+from doors_server import (
+    CAT,
+    KEY,
+    MODEL,
+    RAINING,
+    REPLY,
+    RESULT,
+    WEATHER_PARAMS,
+    is_cat,
+    shared,
+    uses_result,
+)
 
 from edgespec.server.ollama import _Message, _messages, _options
 from edgespec.server.requests import _BadRequest

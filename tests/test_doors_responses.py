@@ -8,8 +8,18 @@ from __future__ import annotations
 import json
 
 import pytest
-from doors_server import CAT, KEY, MODEL, RAINING, REPLY, RESULT, WEATHER_PARAMS, is_cat, \
-    shared, uses_result
+from doors_server import (
+    CAT,
+    KEY,
+    MODEL,
+    RAINING,
+    REPLY,
+    RESULT,
+    WEATHER_PARAMS,
+    is_cat,
+    shared,
+    uses_result,
+)
 
 from edgespec.server.requests import _BadRequest
 from edgespec.server.responses import _messages, _openai_body, _Request

@@ -1,4 +1,6 @@
-"""OpenAI-compatible HTTP server over a ring (`edgespec serve`).
+"""OpenAI-compatible HTTP server over a ring (`edgespec serve`), with the Ollama API,
+Anthropic Messages and OpenAI Responses on the same port (``ollama``, ``anthropic``,
+``responses``: each turns its request into the chat request below and runs it the same way).
 
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``, with
 ``stream: true`` as server-sent events (``stream_options.include_usage`` adds a final usage
@@ -70,11 +72,13 @@ or SIGINT stops every generation at its next step (a stream then ends with an er
 whole one), so the server exits promptly even mid-answer and the caller closes the ring.
 FastAPI/uvicorn are used because they are the standard ASGI stack for this kind of API.
 
-This module builds the app (routes) and runs it; the parts live beside it: ``requests``
-(request models), ``chat_input`` (a chat's messages and tools, and tool calls in the
-answer), ``replies`` (errors and their statuses), ``inflight`` (cancel events for a
-shutdown), ``streaming`` (the completion endpoints' generations), ``live`` (the page's live
-view), ``access`` (the API key), ``health`` and ``listener``.
+This module builds the app (routes) and runs it, over HTTPS with ``tls`` files (``tls``
+makes a self-signed pair); the parts live beside it: ``requests`` (request models),
+``chat_input`` (a chat's messages and tools, and tool calls in the answer), ``replies``
+(errors and their statuses), ``inflight`` (cancel events for a shutdown), ``runs`` (every
+door's one path through the ring's queue), ``streaming`` (OpenAI's completion answers),
+the doors, ``live`` (the page's live view), ``access`` (the API key), ``health`` and
+``listener``.
 """
 
 from __future__ import annotations
@@ -108,10 +112,10 @@ from edgespec.server.listener import (
     guarded_protocol,
 )
 from edgespec.server.live import _Live, live_events
-from edgespec.server.replies import _error, _failure, _failure_message
-from edgespec.server.requests import _BadRequest, parse_rebalance
 from edgespec.server.ollama import OllamaDoor
 from edgespec.server.ollama import _error as ollama_error
+from edgespec.server.replies import _error, _failure, _failure_message
+from edgespec.server.requests import _BadRequest, parse_rebalance
 from edgespec.server.responses import ResponsesDoor
 from edgespec.server.runs import Runs
 from edgespec.server.streaming import Completions

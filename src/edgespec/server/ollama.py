@@ -36,7 +36,7 @@ from edgespec.server.doors import (
     read_json,
     unsupported,
 )
-from edgespec.server.replies import _failure, _failure_message
+from edgespec.server.replies import _failure_message
 from edgespec.server.requests import _BadRequest, parse_request
 from edgespec.server.runs import Runs, Started, _Piece, cut_off
 
@@ -294,7 +294,6 @@ class OllamaDoor:
 
         async for item in self.runs.items(run):
             if isinstance(item, Exception):
-                status, *_ = _failure(item)
                 yield (json.dumps({"error": _failure_message(item)}) + "\n").encode()
             elif isinstance(item, _Piece):
                 for d in deltas.feed(item.text):
