@@ -17,7 +17,7 @@ import pytest
 from cryptography import x509
 from doors_server import KEY, MODEL, shared
 
-from edgespec.server.tls import fingerprint, self_signed
+from edgespec.server.tls import exposure_warnings, fingerprint, self_signed
 
 openai = pytest.importorskip("openai")
 
@@ -35,6 +35,49 @@ def test_self_signed_is_made_once_and_anew_for_a_new_name(tmp_path):
     assert self_signed(tmp_path, ["lab.local"]) == (cert, key) and fingerprint(cert) == first
     self_signed(tmp_path, ["10.0.0.5"])  # a name the kept one lacks: made anew
     assert fingerprint(cert) != first
+
+
+def test_serving_beyond_loopback_warns_of_no_key_and_of_a_key_over_plain_http():
+    assert exposure_warnings("127.0.0.1", None, None) == []
+    assert "without --api-key" in exposure_warnings("0.0.0.0", None, None)[0]
+    assert "plain HTTP" in exposure_warnings("192.168.1.20", "k", None)[0]
+    assert exposure_warnings("0.0.0.0", "k", ("cert", "key")) == []
+
+
+def test_the_cli_trusts_the_kept_certificate(tmp_path, monkeypatch):
+    from edgespec.cli.served import tls_context
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    monkeypatch.delenv("EDGESPEC_KEY_FILE", raising=False)
+    assert tls_context("http://127.0.0.1:8080") is None
+    before = len(tls_context("https://127.0.0.1:8080").get_ca_certs())
+    self_signed(tmp_path / "edgespec")
+    assert len(tls_context("https://127.0.0.1:8080").get_ca_certs()) == before + 1
+
+
+def test_serve_tls_flags(tmp_path, monkeypatch):
+    import argparse
+
+    from edgespec.cli.run import _tls_files
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    monkeypatch.delenv("EDGESPEC_KEY_FILE", raising=False)
+
+    def flags(**kw) -> argparse.Namespace:
+        base = {"tls_cert": None, "tls_key": None, "tls_self_signed": False,
+                "host": "127.0.0.1", "allow_host": []}
+        return argparse.Namespace(**{**base, **kw})
+
+    assert _tls_files(flags()) is None
+    cert, key = _tls_files(flags(tls_self_signed=True, host="0.0.0.0",
+                                 allow_host=["lab.local"]))
+    assert cert == str(tmp_path / "edgespec" / "serve-cert.pem")
+    assert _tls_files(flags(tls_cert=cert, tls_key=key)) == (cert, key)
+    for bad, why in (({"tls_cert": cert}, "go together"),
+                     ({"tls_cert": cert, "tls_key": str(tmp_path / "nope")}, "no such file"),
+                     ({"tls_self_signed": True, "tls_cert": cert, "tls_key": key}, "not both")):
+        with pytest.raises(ValueError, match=why):
+            _tls_files(flags(**bad))
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import socket
+import ssl
 import time
 import urllib.request
 from pathlib import Path
@@ -87,10 +88,27 @@ def running_server() -> str | None:
     return url
 
 
+def tls_context(url: str) -> ssl.SSLContext | None:
+    """What a CLI command trusts an ``https`` server by: the system's CAs and the
+    self-signed certificate `serve --tls-self-signed` keeps beside the ring key, if any."""
+    if not url.startswith("https://"):
+        return None
+    from edgespec.server.tls import CERT_NAME
+    from edgespec.wire.auth import default_key_path
+
+    ctx = ssl.create_default_context()
+    kept = default_key_path().parent / CERT_NAME
+    if kept.exists():
+        with contextlib.suppress(OSError, ssl.SSLError):
+            ctx.load_verify_locations(cafile=str(kept))
+    return ctx
+
+
 def fetch_json(url: str, path: str, api_key: str | None, timeout: float = 5.0) -> dict[str, Any]:
     """GET ``url + path`` as JSON (with the server's API key, if any)."""
     req = urllib.request.Request(url.rstrip("/") + path)
     if api_key:
         req.add_header("Authorization", f"Bearer {api_key}")
-    with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 - http(s) only
+    with urllib.request.urlopen(req, timeout=timeout,  # noqa: S310 - http(s) only
+                                context=tls_context(url)) as r:
         return json.loads(r.read())

@@ -119,7 +119,7 @@ from edgespec.server.requests import _BadRequest, parse_rebalance
 from edgespec.server.responses import ResponsesDoor
 from edgespec.server.runs import Runs
 from edgespec.server.streaming import Completions
-from edgespec.server.tls import fingerprint
+from edgespec.server.tls import exposure_warnings, fingerprint
 
 log = logging.getLogger("edgespec.server")
 
@@ -397,14 +397,8 @@ def serve(ring: Ring, model_name: str, host: str = "127.0.0.1", port: int = 8080
 
     app = create_app(ring, model_name, max_queue, aliases=aliases, api_key=api_key,
                      hosts=allowed_hosts(host, allow_hosts))
-    if host not in ("127.0.0.1", "localhost", "::1"):
-        if not api_key:
-            log.warning("serving on %s without --api-key: anyone who can reach this port can "
-                        "use the ring", host)
-        elif not tls:
-            log.warning("serving on %s over plain HTTP with an API key: the key and the "
-                        "conversations cross the network readable; serve HTTPS with "
-                        "--tls-cert/--tls-key or --tls-self-signed", host)
+    for warning in exposure_warnings(host, api_key, tls):
+        log.warning("%s", warning)
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:

@@ -4,7 +4,9 @@ first use and kept beside the ring key (``serve-cert.pem``, ``serve-key.pem``, t
 readable by its owner only). The self-signed certificate names localhost, 127.0.0.1, ::1,
 this machine's name and the served host; one that lacks a name asked for now, or has expired,
 is made anew. Clients trust it through its file (``curl --cacert``, the clients'
-``verify``/CA-file options) or its SHA-256 fingerprint, which ``serve`` prints at start."""
+``verify``/CA-file options) or its SHA-256 fingerprint, which ``serve`` prints at start.
+``exposure_warnings``: what ``serve`` warns of beyond loopback (no key, or a key over plain
+HTTP)."""
 
 from __future__ import annotations
 
@@ -105,3 +107,18 @@ def self_signed(directory: str | os.PathLike[str], hosts: Iterable[str] = ()
     os.chmod(key_path, 0o600)
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     return cert_path, key_path
+
+
+def exposure_warnings(host: str, api_key: str | None, tls: object) -> list[str]:
+    """What `serve` warns of when it listens beyond loopback: no API key, or a key sent
+    over plain HTTP."""
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return []
+    if not api_key:
+        return [f"serving on {host} without --api-key: anyone who can reach this port can "
+                "use the ring"]
+    if not tls:
+        return [f"serving on {host} over plain HTTP with an API key: the key and the "
+                "conversations cross the network readable; serve HTTPS with --tls-cert/"
+                "--tls-key or --tls-self-signed"]
+    return []
