@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from edgespec.server.chat_input import Deltas, answer_message
@@ -35,7 +35,7 @@ from edgespec.server.doors import (
 )
 from edgespec.server.replies import _failure, _failure_message
 from edgespec.server.requests import _BadRequest
-from edgespec.server.runs import Runs, Started, _Piece, cut_off
+from edgespec.server.runs import Runs, Started, _Piece, cut_off, streamed
 
 _Str = Annotated[str, Field(strict=True)]
 
@@ -239,7 +239,7 @@ class AnthropicDoor:
         run = await self.runs.start(lambda: openai_chat(body, {
             "stop": "stop_sequences", "response_format": "output_config"}), "msg_")
         if req.stream:
-            return StreamingResponse(self._events(req, run), media_type="text/event-stream")
+            return streamed(run, self._events(req, run), "text/event-stream")
         gen = await self.runs.collect(request, run)
         message, called = answer_message(gen.text, run.names)
         content: list[dict[str, Any]] = []

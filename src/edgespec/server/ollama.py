@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 import edgespec
@@ -38,7 +38,7 @@ from edgespec.server.doors import (
 )
 from edgespec.server.replies import _failure_message
 from edgespec.server.requests import _BadRequest, parse_request
-from edgespec.server.runs import Runs, Started, _Piece, cut_off
+from edgespec.server.runs import Runs, Started, _Piece, cut_off, streamed
 
 _Str = Annotated[str, Field(strict=True)]
 
@@ -46,6 +46,10 @@ _Str = Annotated[str, Field(strict=True)]
 OPTIONS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed",
            "num_predict": "max_tokens", "stop": "stop", "repeat_penalty": "repeat_penalty",
            "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty"}
+
+
+#: OpenAI's names of the fields Ollama names otherwise, for the refusals' messages.
+RENAMES = {"max_tokens": "num_predict", "response_format": "format"}
 
 
 def _error(status: int, message: str, _kind: str = "", _code: str | None = None,
@@ -222,7 +226,7 @@ class OllamaDoor:
             return self._loaded(req, {"message": {"role": "assistant", "content": ""}})
         body = {"model": req.model, "messages": _messages(req.messages), "tools": req.tools,
                 "response_format": _format(req.format), **_options(req.options)}
-        run = await self.runs.start(lambda: openai_chat(body), "chat-")
+        run = await self.runs.start(lambda: openai_chat(body, RENAMES), "chat-")
         return await self._answer(request, req, run, "message")
 
     async def generate(self, request: Request) -> Response:
@@ -243,7 +247,7 @@ class OllamaDoor:
             msgs = [{"role": "system", "content": req.system}] if req.system else []
             body = {"model": req.model, "response_format": _format(req.format), **options,
                     "messages": [*msgs, {"role": "user", "content": req.prompt}]}
-            run = await self.runs.start(lambda: openai_chat(body), "gen-")
+            run = await self.runs.start(lambda: openai_chat(body, RENAMES), "gen-")
         return await self._answer(request, req, run, "response")
 
     def _loaded(self, req: _Common, empty: dict[str, Any]) -> Response:
@@ -264,8 +268,7 @@ class OllamaDoor:
                       ) -> Response:
         t0 = time.perf_counter()
         if req.stream:
-            return StreamingResponse(self._lines(req, run, field, t0),
-                                     media_type="application/x-ndjson")
+            return streamed(run, self._lines(req, run, field, t0), "application/x-ndjson")
         gen = await self.runs.collect(request, run)
         out = self._final(req, gen, t0)
         if field == "response":

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from edgespec.api import Generation
@@ -35,7 +35,7 @@ from edgespec.server.doors import (
 )
 from edgespec.server.replies import _error, _failure, _failure_message
 from edgespec.server.requests import _BadRequest, _is, _refuse_unsupported
-from edgespec.server.runs import Runs, Started, _Piece, cut_off
+from edgespec.server.runs import Runs, Started, _Piece, cut_off, streamed
 
 _Str = Annotated[str, Field(strict=True)]
 
@@ -240,7 +240,7 @@ class ResponsesDoor:
         run = await self.runs.start(lambda: openai_chat(body, {
             "max_tokens": "max_output_tokens", "response_format": "text"}), "resp_")
         if req.stream:
-            return StreamingResponse(self._events(req, run), media_type="text/event-stream")
+            return streamed(run, self._events(req, run), "text/event-stream")
         gen = await self.runs.collect(request, run)
         message, _ = answer_message(gen.text, run.names)
         output = []

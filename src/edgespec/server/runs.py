@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 
 from edgespec import errors
 from edgespec.api import Generation, Prepared, Ring, TextStream
@@ -300,6 +301,20 @@ class Runs:
         finally:
             # Reached on normal end too (harmless then); on a hang-up it stops the generation.
             run.cancel.set()
+
+
+def streamed(run: Started, events: AsyncIterator[bytes], media_type: str
+             ) -> StreamingResponse:
+    """A door's stream of ``run``: when the client hangs up mid-stream (or the stream ends)
+    the generation is stopped at its next step."""
+    async def guarded() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in events:
+                yield chunk
+        finally:
+            run.cancel.set()
+
+    return StreamingResponse(guarded(), media_type=media_type)
 
 
 def cut_off(gen: Generation) -> str:
