@@ -162,3 +162,35 @@ def test_every_door_is_counted_alike(srv):
     assert after[0] - before[0] == after[1] - before[1] == len(doors)
     assert after[2] - before[2] == len(doors)  # (the page keeps the last 500)
     assert "POST /api/chat" in srv.log() and "POST /v1/messages" in srv.log()
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("path,body", [
+    ("/api/chat", {"options": {"num_predict": 400, "temperature": 0}}),
+    ("/v1/messages", {"max_tokens": 400, "stream": True}),
+    ("/v1/responses", {"max_output_tokens": 400, "stream": True})])
+def test_a_client_that_hangs_up_mid_stream_stops_its_generation(srv, path, body):
+    import http.client
+    from urllib.parse import urlsplit
+
+    ask = "Write a long story about a dragon."
+    body = {"model": MODEL, **body, **({"input": ask} if path == "/v1/responses" else
+                                       {"messages": [{"role": "user", "content": ask}]})}
+    before = srv.http("GET", "/health")[1]["abandoned"]
+    where = urlsplit(srv.base)
+    conn = http.client.HTTPSConnection(where.hostname, where.port, context=srv.tls(),
+                                       timeout=60)
+    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json",
+                                                  "Authorization": f"Bearer {KEY}"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    resp.fp.readline()  # the stream has begun
+    conn.sock.close()
+    conn.close()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        health = srv.http("GET", "/health")[1]
+        if health["abandoned"] > before and health["serving"] == 0:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"the generation went on after the hang-up: {health}")
