@@ -51,6 +51,9 @@ def test_blocks_become_the_openai_conversation():
                                    "content": "sunny"}
     assert body["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
     assert body["parallel_tool_calls"] is False and body["stop"] == ["\n"]
+    with pytest.raises(_BadRequest, match=r"'messages\[0\].content\[0\].text' is required"):
+        _openai_body(_Request.model_validate({"model": "m", "max_tokens": 8, "messages": [
+            {"role": "user", "content": [{"type": "text"}]}]}))
     with pytest.raises(_BadRequest, match="thinking"):
         _openai_body(_Request.model_validate({
             "model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "x"}],

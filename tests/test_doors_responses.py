@@ -41,6 +41,8 @@ def test_items_become_the_openai_conversation():
     assert msgs[2]["tool_calls"][0]["id"] == "c1" and msgs[3]["tool_call_id"] == "c1"
     with pytest.raises(_BadRequest, match="'store' is not supported"):
         _openai_body(_Request.model_validate({"input": "x", "store": True}))
+    with pytest.raises(_BadRequest, match=r"'input\[0\].content' is required"):
+        _messages(_Request.model_validate({"input": [{"role": "user"}]}))
     with pytest.raises(_BadRequest, match="web_search"):
         _messages(_Request.model_validate({"input": [{"type": "web_search_call"}]}))
 

@@ -163,7 +163,7 @@ def _blocks(i: int, content: str | list[dict[str, Any]]) -> list[BaseModel]:
         if model is None:
             raise unsupported(f"messages[{i}].content[{j}].type {kind!r}",
                               "send text, tool_use or tool_result blocks")
-        out.append(check(model, block))
+        out.append(check(model, block, at=f"messages[{i}].content[{j}]"))
     return out
 
 

@@ -51,18 +51,21 @@ async def read_json(runs: Runs, request: Request) -> Any:
         raise _BadRequest("request body is not valid JSON") from None
 
 
-def check(model: type[BaseModel], body: Any, help: dict[str, str] | None = None) -> Any:
+def check(model: type[BaseModel], body: Any, help: dict[str, str] | None = None,
+          at: str = "") -> Any:
     """``body`` as ``model``; a ``_BadRequest`` naming the first offending field otherwise
-    (one outside the API too)."""
+    (one outside the API too). ``at``: where ``body`` sits in the request (``input[2]``)."""
     if not isinstance(body, dict):
-        raise _BadRequest("request body must be a JSON object")
+        raise _BadRequest(f"'{at}' must be a JSON object" if at else
+                          "request body must be a JSON object", at.split("[")[0] or None)
     try:
         return model.model_validate(body)
     except ValidationError as exc:
         errs = exc.errors(include_url=False)
         first = next((e for e in errs if e["type"] == "extra_forbidden"), errs[0])
-        where = _path(first["loc"]) or "body"
-        param = str(first["loc"][0]) if first["loc"] else None
+        inner = _path(first["loc"])
+        where = (f"{at}.{inner}" if inner else at) if at else (inner or "body")
+        param = at.split("[")[0] if at else str(first["loc"][0]) if first["loc"] else None
         if first["type"] == "extra_forbidden":
             raise _BadRequest(f"unknown field '{where}': not supported by this server", param,
                               code="unknown_parameter") from None

@@ -169,12 +169,14 @@ def _messages(req: _Request) -> list[dict[str, Any]]:
     items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) \
         else req.input
     for i, raw in enumerate(items):
+        if not isinstance(raw, dict):
+            raise _BadRequest(f"'input[{i}]' must be an item object", "input")
         kind = raw.get("type")
         model = _ITEMS.get(kind) if kind is None or isinstance(kind, str) else None
         if model is None:
             raise unsupported(f"input[{i}].type {kind!r}", "send messages, function_call "
                               "and function_call_output items")
-        item = check(model, raw)
+        item = check(model, raw, at=f"input[{i}]")
         if isinstance(item, _MessageItem):
             text = item.content if isinstance(item.content, str) else \
                 "".join(p.text for p in item.content)
