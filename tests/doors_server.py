@@ -10,6 +10,7 @@ import atexit
 import json
 import os
 import re
+import shutil
 import signal
 import ssl
 import subprocess
@@ -121,6 +122,7 @@ class DoorsServer:
             for pid in self.nodes:
                 if alive(pid):
                     os.kill(pid, signal.SIGKILL)
+            shutil.rmtree(self.home, ignore_errors=True)
 
 
 _shared: DoorsServer | None = None
