@@ -18,13 +18,13 @@ One model, three uses:
 Per token, with N stages, ``c_s`` stage s's compute per lap, ``L`` a lap's link time
 ((N + 1) x one-way delay + the bytes a lap moves over the bandwidth), ``H`` the overhead:
 
-    none, sync, auto:  ms/token = laps/token x (sum_s c_s + L + H) + draft ms/token
-    flow:              ms/token = max(laps/token x max_s c_s,          the busiest stage
-                                      draft ms/token,                  the head drafting
-                                      steps/token x (sum_s c_s + L + H))  one lap per step
+    none, sync:  ms/token = laps/token x lap + draft ms/token,   lap = sum_s c_s + L + H
+    flow:        ms/token = steps/token x lap + (laps/token - steps/token) x pace,
+                 pace = max(max_s c_s, draft ms per lap)
 
-Flow streams a step's segments back to back, so its stages overlap: a token costs the most of
-what the busiest device, the drafting head and one lap per verified step each need.
+Flow streams a step's segments back to back: a step lasts one lap for its first segment, and
+each further segment enters as fast as the busiest stage or the drafting head lets it
+(``auto`` is flow on a ring of several stages, and is modelled as flow there).
 """
 
 from __future__ import annotations
@@ -61,7 +61,8 @@ def ms_per_token(mode: str, stage_ms: list[float], lap_link_ms: float, overhead_
     """The model's time per token (module docstring)."""
     lap = sum(stage_ms) + lap_link_ms + overhead_ms
     if mode == "flow":
-        return max(laps_per_token * max(stage_ms), draft_ms_per_token, steps_per_token * lap)
+        pace = max(max(stage_ms), draft_ms_per_token / max(laps_per_token, 1e-9))
+        return steps_per_token * lap + max(0.0, laps_per_token - steps_per_token) * pace
     return laps_per_token * lap + draft_ms_per_token
 
 
@@ -98,7 +99,8 @@ def check(rows: list[dict[str, Any]], link_spec, tolerance: float = 0.15) -> dic
         if p is None:
             continue
         spec = link_spec(r["link"])
-        ms = ms_per_token(r["mode"], p["stage_ms"], link_ms(spec, n, p["bytes_per_lap"]),
+        mode = "flow" if r["mode"] == "auto" and n > 1 else r["mode"]
+        ms = ms_per_token(mode, p["stage_ms"], link_ms(spec, n, p["bytes_per_lap"]),
                           overhead, p["laps_per_token"], p["steps_per_token"],
                           p["draft_ms_per_token"])
         pred = 1000.0 / ms
@@ -172,7 +174,8 @@ def project_devices(traces: dict[str, dict[str, float]], cpu_row_cost: dict[int,
                     else:
                         factor = _interp(cpu_row_cost, rows)
                     stage = [whole_ms / k * factor] * k
-                    ms = ms_per_token(mode if t is not None else "none", stage,
+                    kind = "none" if t is None else "flow" if mode == "auto" else mode
+                    ms = ms_per_token(kind, stage,
                                       link_ms(spec, k, 0.0), overhead_ms,
                                       1.0 if t is None else t["laps_per_token"],
                                       1.0 if t is None else t["steps_per_token"],

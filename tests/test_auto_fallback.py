@@ -15,6 +15,7 @@ from edgespec.api import Ring
 from edgespec.drafters import Drafter, DraftTree
 from edgespec.head.engine import SpecEngine
 from edgespec.head.engine.gain import GainMeter, RingRates
+from edgespec.head.engine.policy import TreePolicy
 from edgespec.params import GenerationParams
 
 
@@ -256,3 +257,19 @@ def test_beside_others_a_tree_step_counts_once_for_every_request_decoding() -> N
     assert _trial(meter, twice)
     assert not _trial(meter, twice, sharers=2)
     assert _trial(meter, [(40, 0.4)] * GainMeter.TRIAL_MAX, sharers=4)  # 100 tok/s: still pays
+
+
+def test_flow_decodes_plain_laps_while_requests_fill_the_pipeline() -> None:
+    """As many requests as stages keep every stage busy at one row a token: flow's steps are
+    plain laps then, whatever the trees gained; with fewer, the gain meter decides. A fixed
+    budget is taken as given."""
+    policy = TreePolicy()
+    policy.record_plain(0.1)
+    for _ in range(GainMeter.LONG_RUN_MIN):
+        policy.record_tree(40, 0.4)  # 100 tok/s against plain laps' 10
+    policy.begin()
+    assert policy.flow_segment(1, 3) == TreePolicy.FLOW_SEGMENT
+    assert policy.flow_segment(2, 3) == TreePolicy.FLOW_SEGMENT
+    assert policy.flow_segment(3, 3) == 0 and policy.flow_segment(4, 3) == 0
+    assert policy.flow_segment(4, 1) == TreePolicy.FLOW_SEGMENT  # one stage: no pipeline
+    assert TreePolicy(budget=12).flow_segment(4, 3) == 4
