@@ -356,9 +356,11 @@ def lab_ring(target: Path, draft: Path | None, drafter: str, cfg: dict[str, Any]
     from bench.testbed import proxy_from_map
     from edgespec import Ring
 
+    ranges = cfg.get("ranges")
     ring = Ring.up(str(target), nodes="auto", key=cfg["key_file"], expect=cfg["devices"],
                    timeout=60, draft=str(draft) if draft else None, drafter=drafter,
                    n_ctx=cfg["n_ctx"], spec="none", parallel=parallel,
+                   ranges=[tuple(r) for r in ranges] if ranges else None,
                    proxy=proxy_from_map(cfg["proxy_map"]), **engine)
     order = [str(m.address[0]) for m in ring.chain.members]
     port_of = {ip: int(via[1]) for ip, via in cfg["proxy_map"].items()}
@@ -813,6 +815,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="lab: each device's share of a core")
     ap.add_argument("--head-share", type=float, default=0.9,
                     help="lab: the head's share of a core")
+    ap.add_argument("--ranges", default=None,
+                    help="lab: layer windows in ring order instead of the planner's, e.g. "
+                         "0:10,10:19,19:28 (the devices in the order mDNS finds them)")
     ap.add_argument("--links", default=None,
                     help="link profiles, comma separated: wired (1 ms), wifi (5 ms, 2 ms "
                          "jitter, 50 Mbit/s), sites (50 ms), loopback, or a delay in ms")
@@ -870,6 +875,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     clients = sorted(set(parse_list("1,2" if smoke and args.clients == "1,4"
                                     else args.clients, int)))
     budgets: list[int | None] = [None if b == "auto" else int(b) for b in parse_list(args.budgets)]
+    ranges = None
+    if args.ranges:
+        try:
+            ranges = [[int(x) for x in r.split(":")] for r in parse_list(args.ranges)]
+        except ValueError:
+            ap.error(f"--ranges {args.ranges!r}: want A:B,B:C,...")
     for m in modes:
         if m not in ("single", "none", "sync", "flow", "auto"):
             ap.error(f"unknown mode {m!r}")
@@ -927,7 +938,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     n_ctx = parallel * (max(len(p) for p in prompts) + n_tokens + 320)
     settings: dict[str, Any] = {
         "target": target.name, "draft": draft.name if draft else None,
-        "stages": stages, "links": {k: link_label(k) for k in links_list}, "modes": modes,
+        "stages": stages, "ranges": ranges,
+        "links": {k: link_label(k) for k in links_list}, "modes": modes,
         "drafters": drafters, "budgets": [b or "auto" for b in budgets], "clients": clients,
         "prompts": n_prompts, "prompt_tokens": [len(p) for p in prompts], "tokens": n_tokens,
         "threads": args.threads, "draft_quant": args.draft_quant, "engine": engine,
@@ -969,7 +981,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    "wire_netns": tb.lab.hosts["wire"].netns,
                                    "head_ip": tb.lab.head.address,
                                    "runs_path": str(runs_path.resolve()), "unit": unit,
-                                   "ring_path": str(Path(tmp) / "ring.json")}
+                                   "ring_path": str(Path(tmp) / "ring.json"),
+                                   "ranges": ranges}
                             cfg_path = Path(tmp) / "head.json"
                             cfg_path.write_text(json.dumps(cfg))
                             p = tb.head_popen([sys.executable, "-m", "bench.ring_bench",
