@@ -548,6 +548,18 @@ def aggregate(runs: list[dict[str, Any]], host: dict[str, Any]) -> list[dict[str
         base = none_at.get((r["link"], r["clients"]))
         r["x_none"] = round(r["tokens_per_s"] / base, 3) if base else None
         r["x_single"] = round(r["tokens_per_s"] / single, 3) if single else None
+    # One client: the spread of the ratio over prompts (each prompt's modes ran back to back).
+    rate = {(g["mode"], g["drafter"], str(g["budget"]), g["link"], g["prompt"]):
+            g["stats"]["tokens_per_s"] for g in runs if g.get("clients", 1) == 1
+            and g["mode"] != "single"}
+    for r in rows:
+        if r["clients"] != 1 or r["mode"] in ("none", "single"):
+            continue
+        ratios = [v / rate[("none", "-", "-", r["link"], k[4])] for k, v in rate.items()
+                  if k[:4] == (r["mode"], r["drafter"], str(r["budget"]), r["link"])
+                  and rate.get(("none", "-", "-", r["link"], k[4]))]
+        if ratios:
+            r["x_none_prompts"] = [round(min(ratios), 2), round(max(ratios), 2)]
     order = {"single": 0, "none": 1, "sync": 2, "flow": 3, "auto": 4}
     rows.sort(key=lambda r: (link_spec(r["link"]).delay_ms if r["link"] != "-" else -1,
                              r["link"], r["clients"], order.get(r["mode"], 9), r["drafter"],
@@ -661,6 +673,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         return "-" if v is None else fmt.format(v)
 
     for r in rows:
+        spread = (f" ({r['x_none_prompts'][0]:.2f}-{r['x_none_prompts'][1]:.2f})"
+                  if r.get("x_none_prompts") else "")
         gaps = ("-" if "piece_gap_ms_p50" not in r
                 else f"{r['piece_gap_ms_p50']:.0f}/{r['piece_gap_ms_p95']:.0f}")
         lines.append(
@@ -669,7 +683,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"| {f(r['ms_per_token'], '{:.1f}')} | {f(r.get('laps_per_token'))} | "
             f"{f(r.get('tokens_per_step'))} | {f(r.get('rows_per_step'), '{:.1f}')} | "
             f"{f(r.get('bytes_per_token_per_stage_hop'), '{:,.0f}')} | {gaps} | "
-            f"{f(r['x_none'])} | {f(r['x_single'])} | {f(r.get('load_avg_1m_mean'))} |")
+            f"{f(r['x_none'])}{spread} | {f(r['x_single'])} | {f(r.get('load_avg_1m_mean'))} |")
     return "\n".join(lines)
 
 
@@ -701,7 +715,8 @@ def write_report(out: Path, prefix: str, rows: list[dict[str, Any]], ident: dict
           "laps/tok: ring results consumed per token (flow: one per segment). tok/step: "
           "tokens gained per verified tree (accepted + bonus). rows/step: tree rows sent per "
           "step. B/tok/hop: bytes per generated token on a stage-to-stage link (measured at "
-          "the kernel). x none: vs none on the same link with as many clients; x single: vs "
+          "the kernel). x none: vs none on the same link with as many clients (one client: "
+          "in brackets the lowest and highest over prompts); x single: vs "
           "the unsplit model ("
           "llama-cpp-python, one device's CPU) without speculation. load: the host's mean "
           "1-minute load average at the "

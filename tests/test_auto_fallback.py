@@ -273,3 +273,38 @@ def test_flow_decodes_plain_laps_while_requests_fill_the_pipeline() -> None:
     assert policy.flow_segment(3, 3) == 0 and policy.flow_segment(4, 3) == 0
     assert policy.flow_segment(4, 1) == TreePolicy.FLOW_SEGMENT  # one stage: no pipeline
     assert TreePolicy(budget=12).flow_segment(4, 3) == 4
+
+
+class CountingDrafter(RightDrafter):
+    """RightDrafter that records what it was given to read."""
+
+    def __init__(self, reference: Sequence[int], n_vocab: int) -> None:
+        super().__init__(reference, n_vocab)
+        self.begun: list[list[int]] = []
+
+    def begin(self, prompt_tokens: Sequence[int]) -> None:
+        self.begun.append([int(t) for t in prompt_tokens])
+        super().begin(prompt_tokens)
+
+
+def test_a_request_on_a_full_pipeline_leaves_the_drafter_until_it_drafts(ring) -> None:
+    """A request that starts while as many requests decode as the ring has stages decodes
+    plain laps, and its drafter does not read the prompt on the head meanwhile; once the
+    ring has room again, its first tree has the drafter read the whole text so far, and the
+    answer is the one mode none gives."""
+    prompt = _prompt(ring)
+    n = 24
+    ref = _decode(SpecEngine(ring.chain, n_ctx=1024), prompt, n, "none")
+    engine = SpecEngine(ring.chain, n_ctx=1024,
+                        drafter=CountingDrafter(prompt + ref, ring.tokenizer.n_vocab))
+    engine.sharers = lambda: 2  # two stages: full
+    assert _decode(engine, prompt, n, "flow") == ref
+    assert engine.drafter.begun == [] and engine.stats.plain_steps == n
+    # Full while the first 10 steps are decided, then alone: trees from the text so far.
+    calls = iter(range(10**6))
+    engine.sharers = lambda: 2 if next(calls) < 12 else 1
+    assert _decode(engine, prompt, n, "flow") == ref
+    (text,) = engine.drafter.begun
+    assert text[:len(prompt)] == prompt and len(prompt) < len(text) < len(prompt) + n
+    assert text == (prompt + ref)[:len(text)]
+    assert engine.stats.plain_steps < n

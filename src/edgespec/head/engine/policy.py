@@ -74,12 +74,16 @@ class TreePolicy:
         if self.fixed_budget:
             n = self.fixed_segments or max(1, n_stages)
             return max(1, math.ceil(self.fixed_budget / n))
-        if n_stages > 1 and sharers >= n_stages:
-            # As many requests as stages fill the pipeline with plain laps, the fewest rows a
-            # token can cost; a tree's rows then delay the others, and every request's drafts
-            # queue on the head's one draft model (docs/design.md 5.8).
+        if self.pipeline_full(sharers, n_stages):
             return 0
         return self.FLOW_SEGMENT if self.gain.want_tree(sharers) else 0
+
+    @staticmethod
+    def pipeline_full(sharers: int, n_stages: int) -> bool:
+        """As many requests decode as the ring has stages: plain laps keep every stage busy at
+        the fewest rows a token can cost, a tree's rows would delay the others, and every
+        request's drafts queue on the head's one draft model (docs/design.md 5.8)."""
+        return n_stages > 1 and sharers >= n_stages
 
     # ---------------------------------------------------------------- measurements
 
