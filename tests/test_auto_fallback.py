@@ -288,10 +288,11 @@ class CountingDrafter(RightDrafter):
 
 
 def test_a_request_on_a_full_pipeline_leaves_the_drafter_until_it_drafts(ring) -> None:
-    """A request that starts while as many requests decode as the ring has stages decodes
-    plain laps, and its drafter does not read the prompt on the head meanwhile; once the
-    ring has room again, its first tree has the drafter read the whole text so far, and the
-    answer is the one mode none gives."""
+    """A request that starts beside others leaves the head's draft model to them: while as
+    many requests decode as the ring has stages it decodes plain laps, and its drafter does
+    not read the prompt meanwhile; once the ring has room again, its first tree has the
+    drafter read the whole text so far, and the answer is the one mode none gives. Alone,
+    the drafter reads the prompt while the prefill lap is in flight."""
     prompt = _prompt(ring)
     n = 24
     ref = _decode(SpecEngine(ring.chain, n_ctx=1024), prompt, n, "none")
@@ -308,3 +309,6 @@ def test_a_request_on_a_full_pipeline_leaves_the_drafter_until_it_drafts(ring) -
     assert text[:len(prompt)] == prompt and len(prompt) < len(text) < len(prompt) + n
     assert text == (prompt + ref)[:len(text)]
     assert engine.stats.plain_steps < n
+    engine.sharers = lambda: 1
+    assert _decode(engine, prompt, n, "flow") == ref
+    assert engine.drafter.begun[-1] == prompt

@@ -174,11 +174,10 @@ class SpecEngine:
         t0 = time.perf_counter()
         t_start = t0 if t_start is None else t_start
         drafter = self.drafter if mode != "none" else None
-        # A request that starts on a full pipeline decodes plain laps (TreePolicy): its
-        # drafter reads the text only when a tree is drafted (``new_tree``), not the prompt
-        # now, on the head's draft model that every request shares.
-        self._drafter_behind = drafter is not None and TreePolicy.pipeline_full(
-            self.sharers(), self.chain.n_stages)
+        # Beside other requests the head's one draft model is theirs too, and on a full
+        # pipeline this one decodes plain laps (TreePolicy.pipeline_full): its drafter reads
+        # the text when it first drafts a tree (``new_tree``), not the prompt now.
+        self._drafter_behind = drafter is not None and self.sharers() > 1
 
         def begin_drafter() -> None:
             if drafter is not None and not self._drafter_behind:
