@@ -375,7 +375,7 @@ def _set_budget(ring: Any, budget: int | None) -> None:
 
 def run_ring(ring: Any, counters, prompts: list[list[int]], n_tokens: int, hop: str,
              drafter: str, modes: Sequence[str], budgets: Sequence[int | None],
-             clients: Sequence[int], record, log) -> None:
+             clients: Sequence[int], record, log, client_reps: int = 1) -> None:
     """Every prompt through every mode and budget on one ring (one drafter, one link), one
     client at a time; then each client count above one, every mode."""
     n_nodes = len(ring.chain.members)
@@ -410,18 +410,23 @@ def run_ring(ring: Any, counters, prompts: list[list[int]], n_tokens: int, hop: 
                     f"{st['tokens_per_s']:7.2f} tok/s  acc/step "
                     f"{st['mean_accepted_per_step']:.2f}  last budget {st['budget']}")
         _set_budget(ring, None)
+    order = ["none", *spec_modes] if "none" in modes else spec_modes
     for c in clients:
         if c == 1:
             continue
-        for mode in ["none", *spec_modes] if "none" in modes else spec_modes:
-            res = run_clients(ring, prompts, n_tokens, mode, c)
-            for r in res["requests"]:
-                record({"mode": mode, "drafter": "-" if mode == "none" else drafter,
-                        "budget": "-" if mode == "none" else "auto", "link": hop,
-                        "clients": c, "wall_s": res["wall_s"], **r,
-                        "load_avg_1m": round(os.getloadavg()[0], 2)})
-            toks = sum(r["n_tokens"] for r in res["requests"])
-            log(f"  {c} clients {mode:<5} {toks / res['wall_s']:7.2f} tok/s aggregate")
+        # Each rep runs every mode once, the order rotating, so the host's drift over the
+        # minutes a batch takes hits every mode alike.
+        for rep in range(client_reps):
+            for mode in order[rep % len(order):] + order[:rep % len(order)]:
+                res = run_clients(ring, prompts, n_tokens, mode, c)
+                for r in res["requests"]:
+                    record({"mode": mode, "drafter": "-" if mode == "none" else drafter,
+                            "budget": "-" if mode == "none" else "auto", "link": hop,
+                            "clients": c, "rep": rep, "wall_s": res["wall_s"], **r,
+                            "load_avg_1m": round(os.getloadavg()[0], 2)})
+                toks = sum(r["n_tokens"] for r in res["requests"])
+                log(f"  {c} clients {mode:<5} rep {rep} {toks / res['wall_s']:7.2f} tok/s "
+                    f"aggregate")
 
 
 def run_clients(ring: Any, prompts: list[list[int]], n_tokens: int, mode: str,
@@ -493,7 +498,8 @@ def aggregate(runs: list[dict[str, Any]], host: dict[str, Any]) -> list[dict[str
         if clients == 1:
             dec = sum(r["stats"]["decode_ms"] for r in rs) / 1e3
         else:
-            dec = sum({r["wall_s"] for r in rs})  # one wall time per batch of requests
+            # one wall time per batch of requests (a batch per rep)
+            dec = sum({r.get("rep", 0): r["wall_s"] for r in rs}.values())
         row: dict[str, Any] = {
             "mode": mode, "drafter": drafter, "budget": budget, "link": link,
             "clients": clients, "prompts": len(rs), "tokens": toks,
@@ -559,7 +565,21 @@ def aggregate(runs: list[dict[str, Any]], host: dict[str, Any]) -> list[dict[str
                   if k[:4] == (r["mode"], r["drafter"], str(r["budget"]), r["link"])
                   and rate.get(("none", "-", "-", r["link"], k[4]))]
         if ratios:
-            r["x_none_prompts"] = [round(min(ratios), 2), round(max(ratios), 2)]
+            r["x_none_range"] = [round(min(ratios), 2), round(max(ratios), 2)]
+    # Several clients: the spread over reps (each rep ran every mode once).
+    batch: dict[tuple, list[float]] = {}
+    for g in runs:
+        if g.get("clients", 1) > 1:
+            key = (g["mode"], g["link"], g["clients"], g.get("rep", 0))
+            batch.setdefault(key, [0, g["wall_s"]])[0] += g["n_tokens"]
+    for r in rows:
+        if r["clients"] == 1 or r["mode"] == "none":
+            continue
+        ratios = [(t / w) / (batch[("none", *k[1:])][0] / batch[("none", *k[1:])][1])
+                  for k, (t, w) in batch.items()
+                  if k[:3] == (r["mode"], r["link"], r["clients"]) and ("none", *k[1:]) in batch]
+        if len(ratios) > 1:
+            r["x_none_range"] = [round(min(ratios), 2), round(max(ratios), 2)]
     order = {"single": 0, "none": 1, "sync": 2, "flow": 3, "auto": 4}
     rows.sort(key=lambda r: (link_spec(r["link"]).delay_ms if r["link"] != "-" else -1,
                              r["link"], r["clients"], order.get(r["mode"], 9), r["drafter"],
@@ -673,8 +693,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         return "-" if v is None else fmt.format(v)
 
     for r in rows:
-        spread = (f" ({r['x_none_prompts'][0]:.2f}-{r['x_none_prompts'][1]:.2f})"
-                  if r.get("x_none_prompts") else "")
+        spread = (f" ({r['x_none_range'][0]:.2f}-{r['x_none_range'][1]:.2f})"
+                  if r.get("x_none_range") else "")
         gaps = ("-" if "piece_gap_ms_p50" not in r
                 else f"{r['piece_gap_ms_p50']:.0f}/{r['piece_gap_ms_p95']:.0f}")
         lines.append(
@@ -715,8 +735,9 @@ def write_report(out: Path, prefix: str, rows: list[dict[str, Any]], ident: dict
           "laps/tok: ring results consumed per token (flow: one per segment). tok/step: "
           "tokens gained per verified tree (accepted + bonus). rows/step: tree rows sent per "
           "step. B/tok/hop: bytes per generated token on a stage-to-stage link (measured at "
-          "the kernel). x none: vs none on the same link with as many clients (one client: "
-          "in brackets the lowest and highest over prompts); x single: vs "
+          "the kernel). x none: vs none on the same link with as many clients (in brackets "
+          "the lowest and highest over prompts, or over reps of concurrent batches); x "
+          "single: vs "
           "the unsplit model ("
           "llama-cpp-python, one device's CPU) without speculation. load: the host's mean "
           "1-minute load average at the "
@@ -795,7 +816,7 @@ def head_worker(cfg_path: str) -> int:
     with ring:
         run_ring(ring, counters, cfg["prompts"], cfg["n_tokens"], cfg["link"], cfg["drafter"],
                  cfg["modes"], [None if b == "auto" else b for b in cfg["budgets"]],
-                 cfg["clients"], record, log)
+                 cfg["clients"], record, log, cfg.get("client_reps", 1))
     return 0
 
 
@@ -844,6 +865,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--clients", default="1,4",
                     help="concurrent clients, comma separated (one: per prompt, decode only; "
                          "several: at once, prefill included)")
+    ap.add_argument("--client-reps", type=int, default=1,
+                    help="batches of concurrent requests per mode (the mode order rotating "
+                         "between them)")
     ap.add_argument("--segments", type=int, default=None, help="flow segments per tree")
     ap.add_argument("--draft-quant", choices=("q4_0", "none"), default="q4_0",
                     help="draft with a Q4_0 copy of the draft model (default) or as given")
@@ -997,7 +1021,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    "head_ip": tb.lab.head.address,
                                    "runs_path": str(runs_path.resolve()), "unit": unit,
                                    "ring_path": str(Path(tmp) / "ring.json"),
-                                   "ranges": ranges}
+                                   "ranges": ranges, "client_reps": args.client_reps}
                             cfg_path = Path(tmp) / "head.json"
                             cfg_path.write_text(json.dumps(cfg))
                             p = tb.head_popen([sys.executable, "-m", "bench.ring_bench",
@@ -1040,7 +1064,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                       args.threads, n_ctx, engine, parallel)
                     with ring:
                         run_ring(ring, counters, prompts, n_tokens, link, drafter, here,
-                                 budgets, clients, record, log)
+                                 budgets, clients, record, log, args.client_reps)
             if "single" in modes:
                 for lookup in [0] + ([args.lookup_tokens] if args.lookup_tokens else []):
                     res = run_single(target, prompts, n_tokens, args.threads, lookup or None,

@@ -37,7 +37,7 @@ def rows_of(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "ring_bench_smoke.jsonl").read_text().splitlines()]
 
 
-def check_rows(rows: list[dict]) -> None:
+def check_rows(rows: list[dict], reps: int = 1) -> None:
     by = {(r["mode"], r["clients"]): r for r in rows}
     assert set(by) >= {("none", 1), ("flow", 1), ("none", 2), ("flow", 2)}, sorted(by)
     for r in rows:
@@ -45,17 +45,21 @@ def check_rows(rows: list[dict]) -> None:
         assert r["x_none"] is not None
     assert by[("none", 1)]["x_none"] == 1.0
     # Every request of the two-client rows ran its whole answer and streamed it in pieces.
-    assert by[("none", 2)]["tokens"] == 2 * 8
+    assert by[("none", 2)]["tokens"] == reps * 2 * 8
+    if reps > 1:  # the ratio's spread over the batches
+        low, high = by[("flow", 2)]["x_none_range"]
+        assert 0 < low <= by[("flow", 2)]["x_none"] <= high
     assert by[("none", 2)]["piece_gap_ms_p95"] >= by[("none", 2)]["piece_gap_ms_p50"] > 0
     # One-client rows count the activations crossing the stage link.
     assert by[("none", 1)]["bytes_per_token_per_stage_hop"] > 0
 
 
 def test_all_in_one_smoke_runs_and_says_so(tiny_qwen2, tmp_path):  # noqa: F811
-    summary = run_bench(["--where", "local", "--target", str(tiny_qwen2)], tmp_path)
+    summary = run_bench(["--where", "local", "--target", str(tiny_qwen2), "--client-reps",
+                         "2"], tmp_path)
     assert summary["where"] == "all-in-one"
     assert summary["all_divergences_near_ties"], summary
-    check_rows(rows_of(tmp_path))
+    check_rows(rows_of(tmp_path), reps=2)
     md = (tmp_path / "ring_bench_smoke.md").read_text()
     assert "ALL-IN-ONE" in md
 
