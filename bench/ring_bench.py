@@ -993,7 +993,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         runs_path.write_text("")
         log(f"settings: {json.dumps(settings)}")
         if where == "lab":
+            import signal
             import tempfile
+
+            # A terminated run still takes its namespaces, cgroups and nodes down.
+            signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
             with tempfile.TemporaryDirectory(prefix="edgespec-lab-") as tmp, \
                     Testbed(Path(tmp), devices=stages, device_share=args.device_share,
