@@ -6,6 +6,7 @@ sum ("tree ops without the logits scan"), and the logits scans (argmax of 64 row
 row, whole-tree verification from logits). Goals: tree ops <= 100 us, argmax of 64 rows <= 5 ms.
 
     .venv/bin/python -m bench.core_bench [--reps 300]
+    .venv/bin/python -m bench.core_bench --smoke        # seconds: 10 reps
 """
 
 from __future__ import annotations
@@ -120,10 +121,13 @@ def deep_targets(tree: core.TokenTree) -> np.ndarray:
     return targets
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=300)
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="seconds: 10 reps")
+    args = ap.parse_args(argv)
+    if args.smoke and args.reps == ap.get_default("reps"):
+        args.reps = 10
     rng = np.random.default_rng(0)
     refs, tokens, logprobs = candidates(rng)
 

@@ -3,6 +3,7 @@ time of each window of an N-way split, the model file mapped (its pages released
 as the node does) and read into memory, side by side.
 
     .venv/bin/python -m bench.device_memory --model qwen2.5-coder-1.5b --stages 3
+    .venv/bin/python -m bench.device_memory --smoke     # seconds: a tiny model, 2 stages
 
 Each (window, mode) is loaded in a fresh process, as a node loads it (``StageRuntime``: the
 shard a local ring cuts, ``n_ctx`` KV cells, 256 sequences as a ring's stages have), then
@@ -44,7 +45,7 @@ load_s = time.perf_counter() - t0
 rng = np.random.default_rng(0)
 
 def rows(n, seq, p0, want):
-    x = (np.arange(n, dtype=np.int32) % 5000 + 100 if rt.is_first
+    x = (np.arange(n, dtype=np.int32) % min(5000, rt.n_vocab - 100) + 100 if rt.is_first
          else rng.standard_normal((n, rt.n_embd)).astype(np.float32))
     kw = {"want_rows": want} if rt.is_last else {}
     rt.forward(x, np.arange(p0, p0 + n, dtype=np.int32), [[seq]] * n, **kw)
@@ -71,13 +72,21 @@ def measure(path: Path, mmap: bool, n_ctx: int) -> dict[str, Any]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen2.5-coder-1.5b")
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--ctx", type=int, default=4096, help="KV cells per window")
     ap.add_argument("--out", default="bench/results")
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true",
+                    help="seconds: a tiny model (unless --model), 2 stages, 1024 cells; writes "
+                         "into the temporary folder (unless --out)")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        from bench import smoke
+
+        smoke.apply(ap, args, model=smoke.tiny_model, stages=2, ctx=1024,
+                    out=str(smoke.scratch_dir()))
 
     from bench.projection import stage_shard
     from edgespec.llm import models

@@ -14,6 +14,7 @@ model's tokenizer.
                                       # (the 0.5B as shipped and its Q4_0 copy, side by side)
     .venv/bin/python bench/drafter_bench.py --no-model           # retrieval only (no llama.cpp)
     .venv/bin/python bench/drafter_bench.py --budgets 16,64 --rounds 40 --threads 2
+    .venv/bin/python -m bench.drafter_bench --smoke              # seconds: a tiny draft model
 
 Prints one JSON object (machine info, settings, results) on stdout.
 """
@@ -122,7 +123,7 @@ def single_token_decode_ms(drafter: Any, stream: list[int], n_prompt: int, reps:
     return 1e3 * statistics.median(times)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen2.5-coder-0.5b", help="draft model (registry name or GGUF)")
     ap.add_argument("--budgets", default="8,32", help="comma-separated node budgets")
@@ -137,10 +138,18 @@ def main() -> None:
     ap.add_argument("--draft-quant", default="none,q4_0",
                     help="draft-model variants, side by side: 'none' (the file as given) and/or "
                          "'q4_0' (its cached Q4_0 copy, what rings draft with by default)")
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true",
+                    help="seconds: a tiny draft model (unless --model), budget 8, 4 rounds, "
+                         "20 retrieval rounds, a 64-token prompt")
+    args = ap.parse_args(argv)
+    sys.path.insert(0, str(REPO))
+    if args.smoke:
+        from bench import smoke
+
+        smoke.apply(ap, args, model=lambda: smoke.tiny_model("draft"), budgets="8", rounds=4,
+                    retrieval_rounds=20, prompt=64)
     budgets = [int(b) for b in args.budgets.split(",")]
 
-    sys.path.insert(0, str(REPO))
     from edgespec.drafters import HybridDrafter, RetrievalDrafter
     from edgespec.llm import models
     from edgespec.llm.llamacpp import load_model

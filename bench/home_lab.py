@@ -2,6 +2,7 @@
 
     .venv/bin/python -m bench.home_lab             # as root: 1.5B target, 3 prompts x 4 reps
     .venv/bin/python -m bench.home_lab --quick     # 0.5B, caps scaled to it, about 2 minutes
+    .venv/bin/python -m bench.home_lab --smoke     # a tiny model, scenario c, about a minute
 
 Every device is a device of ``tests/lab.py``'s ``HomeLab``: a network namespace on one bridge,
 its own memory cgroup (cap) and CPU quota, its own EDGESPEC_HOME, an ``edgespec node`` in it;
@@ -63,8 +64,16 @@ sys.path.insert(0, str(REPO / "tests"))  # the lab itself (tests/lab.py, tests/n
 
 import lab as homelab  # noqa: E402
 
-from bench.lap_bench import CHAT_PROMPTS  # noqa: E402
 from bench.ring_bench import NEAR_TIE, machine_info  # noqa: E402
+
+CHAT_PROMPTS = [
+    "Write a Python function `is_palindrome(s: str) -> bool` that ignores case and "
+    "non-alphanumeric characters. Include a docstring with two doctest examples.",
+    "Explain the difference between a list and a tuple in Python, with a short example.",
+    "Write a bash one-liner that counts the lines of every .py file under the current folder.",
+    "What does the `with` statement do in Python? Show how to write a context manager.",
+    "Write a SQL query that returns the five customers with the highest total order amount.",
+]
 
 CODE_PROMPT = "def fibonacci(n):\n"
 EXACT_TOKENS = 16
@@ -588,7 +597,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen2.5-coder-1.5b")
     ap.add_argument("--quick", action="store_true",
-                    help="smoke test: the 0.5B with caps scaled to it, 1 prompt of 16 tokens")
+                    help="the 0.5B with caps scaled to it, 1 prompt of 16 tokens")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a minute: a tiny model (unless --model), scenario c with 400 MiB "
+                         "caps, 1 prompt of 8 tokens, 1 rep; writes into the temporary folder "
+                         "(unless --out)")
     ap.add_argument("--scenarios", default="a,b,b_mid,c")
     ap.add_argument("--caps-a", default="650,650,650")
     ap.add_argument("--caps-b", default="1100,1100,420")
@@ -604,6 +617,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/results/home_lab.json")
     ap.add_argument("--keep", action="store_true", help="keep the lab's work folder")
     args = ap.parse_args(argv)
+    if args.smoke:
+        from bench import smoke
+
+        smoke.apply(ap, args, model=smoke.tiny_model, scenarios="c", caps_c="400,400,400",
+                    unsplit_cap=400, prompts=1,
+                    tokens=8, reps=1, out=str(smoke.scratch_path("home_lab.json")))
     if args.quick:
         args.model = "qwen2.5-coder-0.5b"
         args.caps_a, args.caps_b, args.caps_b_mid = "300,300,300", "700,700,250", "700,250,700"

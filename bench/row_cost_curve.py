@@ -1,11 +1,12 @@
 """Time of one decode call against its row count, 1 row at a time up to ``--max-rows``.
 
     .venv/bin/python -m bench.row_cost_curve        # ~3 min on the 2-core test host
+    .venv/bin/python -m bench.row_cost_curve --smoke    # seconds: tiny models, 1 to 6 rows
 
 llama.cpp's CPU matrix kernels work on blocks of rows, and a batch a row past a block's end
 pays for a slow remainder; the tree budgets (``CostModel.BUDGETS``, docs/design.md 3.8) are
-chosen so that laps land on block ends. This measures where they lie, for the windows the
-concurrency benchmark runs: a middle stage and the last stage of the 1.5B target (4 stages,
+chosen so that laps land on block ends. This measures where they lie, for the windows of the
+reference operating point: a middle stage and the last stage of the 1.5B target (4 stages,
 the shards a local ring cuts) and the draft model as the drafter runs it (its Q4_0 copy,
 ``edgespec.drafters.quant``). One llama.cpp thread, as each stage of a local ring has; rows
 are one sequence after 160 cached tokens, every row an output (a tree row is); sizes are
@@ -39,7 +40,7 @@ def random_rows(rt: Any, rng: np.random.Generator, n: int) -> np.ndarray:
     """``n`` input rows for the window ``rt``: token ids on a first window, else hidden
     states of a real residual stream's magnitude (the cost does not depend on the values)."""
     if rt.is_first:
-        return rng.integers(100, 20000, n).astype(np.int32)
+        return rng.integers(100, min(20000, rt.n_vocab), n).astype(np.int32)
     return (rng.standard_normal((n, rt.n_embd)) * 0.5).astype(np.float32)
 
 
@@ -74,7 +75,7 @@ def add_window_args(ap: argparse.ArgumentParser) -> None:
 
 
 def probe_windows(target_name: str, draft_name: str, stages: int) -> list[tuple[str, Path]]:
-    """(label, file) of the windows the concurrency benchmark runs: a middle and the last
+    """(label, file) of the windows of the reference operating point: a middle and the last
     stage of the target cut in ``stages`` (the shards a local ring cuts) and the draft
     model's drafting copy (none for ``draft_name`` '-')."""
     from edgespec.drafters.quant import fast_draft
@@ -106,7 +107,16 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_window_args(ap)
     ap.add_argument("--max-rows", type=int, default=34)
+    ap.add_argument("--smoke", action="store_true",
+                    help="seconds: tiny models (unless --target/--draft), 1 to 6 rows, 1 rep; "
+                         "writes into the temporary folder (unless --out)")
     args = ap.parse_args(argv)
+    if args.smoke:
+        from bench import smoke
+
+        smoke.apply(ap, args, target=smoke.tiny_model,
+                    draft=lambda: smoke.tiny_model("draft"),
+                    reps=1, max_rows=6, out=str(smoke.scratch_dir()))
 
     out: dict[str, Any] = {"machine": machine_info(), "history": HISTORY, "reps": args.reps,
                            "threads": 1, "curves": []}

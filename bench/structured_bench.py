@@ -4,12 +4,13 @@
     .venv/bin/python -m bench.structured_bench --target qwen2.5-coder-0.5b \
         --draft qwen2.5-coder-0.5b --stages 2 --hop-ms 0 --reps 1 --prompts 1 \
         --max-tokens 64 --out /tmp/structured_smoke.json       # a few minutes
+    .venv/bin/python -m bench.structured_bench --smoke         # seconds: tiny models
 
 Three parts (``--parts``, default all):
 
 - ``ring``: one ``Ring.local`` (``--stages`` node processes on loopback, one llama.cpp thread
-  each; with ``--hop-ms`` every link through its own ``bench.linkemu`` proxy, as
-  ``bench.lap_bench`` part ``modes``): the 1.5B Q4_K_M target, the 0.5B draft model, greedy.
+  each; with ``--hop-ms`` every link through its own ``bench.linkemu`` proxy,
+  ``bench.ring_bench.Links``): the 1.5B Q4_K_M target, the 0.5B draft model, greedy.
   ``--prompts`` chat prompts (``PROMPTS``), each with a JSON schema of its own; per prompt,
   the constrained answer (``json_schema=``) in every ``--modes`` mode and the same prompt as
   free text in every ``--free-modes`` mode, back to back, each from an empty cache, for
@@ -59,8 +60,14 @@ from typing import Any
 
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
-from bench.lap_bench import _model_path  # noqa: E402
 from bench.ring_bench import Links, first_divergence, machine_info  # noqa: E402
+
+
+def _model_path(name: str) -> Path:
+    from edgespec.llm import models
+
+    return Path(models.resolve(name))
+
 
 # --------------------------------------------------------------------------- prompts, schemas
 
@@ -384,7 +391,7 @@ def logit_gaps(runs: list[dict[str, Any]], target: Path, hop_ms: float, log
 
     keys = list(dict.fromkeys((r["kind"], r["prompt"]) for r in runs))
     pseudo = [{"mode": r["mode"], "drafter": "-" if r["mode"] == "none" else "model",
-               "budget": f"r{r['rep']}", "hop_ms": hop_ms, "tokens": r["tokens"],
+               "budget": f"r{r['rep']}", "link": f"{hop_ms:g}ms", "tokens": r["tokens"],
                "prompt": keys.index((r["kind"], r["prompt"]))} for r in runs]
     # The reference is the first none run of each (kind, prompt): put those first.
     first = {}
@@ -397,7 +404,7 @@ def logit_gaps(runs: list[dict[str, Any]], target: Path, hop_ms: float, log
     got = ring_bench.identity([pseudo[i] for i in order], target, prompts, log)
     out = {}
     for key, entries in got["per_config"].items():
-        mode, _drafter, rep, _hop = key.split("/")
+        mode, _drafter, rep = key.split("/")[:3]  # mode/drafter/budget(= rep)/...
         for e in entries:
             if "logit_gap" in e:
                 kind, prompt = keys[e["prompt"]]
@@ -727,7 +734,20 @@ def main(argv: list[str] | None = None) -> int:
                     help="tree roots along the answer per size")
     ap.add_argument("--micro-reps", type=int, default=3)
     ap.add_argument("--out", default="bench/results/structured_bench.json")
+    ap.add_argument("--smoke", action="store_true",
+                    help="seconds: tiny models (unless --target/--draft; their answers never "
+                         "close a schema, the real 0.5B's do), 2 stages, no delay, 1 prompt, "
+                         "24 tokens, 1 rep, trees of 1 and 16 rows at 2 places; writes into "
+                         "the temporary folder (unless --out)")
     args = ap.parse_args(argv)
+    if args.smoke:
+        from bench import smoke
+
+        smoke.apply(ap, args, target=smoke.tiny_model,
+                    draft=lambda: smoke.tiny_model("draft"),
+                    stages=2, hop_ms=0.0, prompts=1, max_tokens=24, reps=1, micro_rows="1,16",
+                    micro_places=2, micro_reps=1,
+                    out=str(smoke.scratch_path("structured_bench.json")))
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)

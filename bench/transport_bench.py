@@ -3,6 +3,8 @@ frame and a 64-row tree frame, and bytes per token per hop for float16 vs 8-bit 
 with their quantization error.
 
     .venv/bin/python bench/transport_bench.py [--laps 2000] [--rounds 4] [--model PATH]
+    .venv/bin/python -m bench.transport_bench --smoke      # seconds: 20 laps in 2 rounds,
+                                                           # no real model's embeddings
 
 Per-hop time is measured on a 4-hop ring (head -> 3 stages -> head) side by side with bare TCP
 sockets doing the same ring with the same frame sizes: ``overhead = edgespec hop - bare hop``.
@@ -262,7 +264,7 @@ def machine() -> dict:
 def side_by_side(msg: wire.Message, laps: int, rounds: int) -> dict:
     """Bare TCP, then sealed and plaintext rings in alternating rounds, per hop."""
     runs: dict[str, list[float]] = {k: [] for k in ("sealed_forward", "plain_forward", "sealed_decode_encode", "plain_decode_encode")}
-    per_round = max(laps // rounds, 50)
+    per_round = max(laps // rounds, 1)
     for r in range(rounds):
         order = (True, False) if r % 2 == 0 else (False, True)
         for seal in order:
@@ -283,15 +285,24 @@ def side_by_side(msg: wire.Message, laps: int, rounds: int) -> dict:
     return out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--laps", type=int, default=2000, help="laps per ring kind, split over the rounds")
     ap.add_argument("--rounds", type=int, default=4, help="alternating sealed/plaintext rounds")
     ap.add_argument("--model", type=Path, default=Path.home() / ".cache/edgespec/models/qwen2.5-coder-0.5b-instruct.gguf")
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true",
+                    help="seconds: 20 laps in 2 rounds; quantization errors on random states "
+                         "only (a tiny model, unless --model, fits neither width)")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        from bench import smoke
+
+        smoke.apply(ap, args, laps=20, rounds=2, model=lambda: Path(smoke.tiny_model()))
 
     report: dict = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "command": " ".join([Path(sys.executable).name, *(sys.argv if argv is None
+                                                           else ["-m", "bench.transport_bench",
+                                                                 *argv])]),
         "machine": machine(),
         "ring_hops": HOPS,
         "laps": args.laps,

@@ -3,6 +3,8 @@
     .venv/bin/python -m bench.ttft_bench                       # 1.5B target, 0.5B draft,
                                                               # 4 stages, 10 ms per hop
     .venv/bin/python -m bench.ttft_bench --busy 0             # alone only (any version)
+    .venv/bin/python -m bench.ttft_bench --smoke              # seconds: a tiny model, 2
+                                                              # stages, 64 tokens, 1 busy
 
 What runs: one ring of ``Ring.local`` node processes, every link through its own
 ``bench.linkemu`` proxy with ``--hop-ms`` one-way delay (``bench.ring_bench.Links``).
@@ -107,7 +109,7 @@ def max_gap(times: list[float], a: float, b: float) -> float:
     return max(y - x for x, y in zip(ts, ts[1:], strict=False))
 
 
-def run_busy(ring: Any, prompt: list[int], mode: str, k: int, reps: int,
+def run_busy(ring: Any, prompt: list[int], mode: str, k: int, reps: int, wait_s: float,
              log) -> list[dict[str, Any]]:
     shorts = [ring.tokenizer.encode(f"# client {c}\n" + p["prompt"])
               for c, p in enumerate(humaneval_prompts(8))]
@@ -123,7 +125,7 @@ def run_busy(ring: Any, prompt: list[int], mode: str, k: int, reps: int,
                 break
             time.sleep(0.05)
         t_before = time.perf_counter()
-        time.sleep(3.0)
+        time.sleep(wait_s)
         t0 = time.perf_counter()
         # A prompt of its own: "# long N" first, so no slot's KV holds a prefix of it.
         mine = ring.tokenizer.encode(f"# long {rep}\n", add_special=False) + prompt
@@ -160,8 +162,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--busy", type=int, default=3,
                     help="clients decoding meanwhile in the busy part (0: alone only)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--busy-wait-s", type=float, default=3.0,
+                    help="how long the busy clients decode before the long prompt arrives")
     ap.add_argument("--out", default="bench/results/ttft_bench.json")
+    ap.add_argument("--smoke", action="store_true",
+                    help="seconds: a tiny model (unless --target) drafting by retrieval, 2 "
+                         "stages, no delay, a 64-token prompt, 1 rep, 1 busy client; writes "
+                         "into the temporary folder (unless --out)")
     args = ap.parse_args(argv)
+    if args.smoke:
+        from bench import smoke
+
+        smoke.apply(ap, args, target=smoke.tiny_model, draft="-", stages=2, hop_ms=0.0,
+                    prompt_tokens=64, reps=1, busy=1, busy_wait_s=0.5,
+                    out=str(smoke.scratch_path("ttft_bench.json")))
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
@@ -198,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
                             result["alone"].append(row)
                     else:
                         result["busy"] += run_busy(ring, prompt, mode, args.busy, args.reps,
-                                                   log)
+                                                   args.busy_wait_s, log)
         finally:
             links.close()
     summary = {}

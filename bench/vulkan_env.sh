@@ -21,7 +21,7 @@
 # into this script's own cache ($EDGESPEC_HOME/wheels/vulkan, default
 # ~/.cache/edgespec/wheels/vulkan) and installed from there; a second run reinstalls from it
 # in seconds (23 s here). The first build compiles llama.cpp's Vulkan shaders: 20 minutes on
-# 2 shared cores here (docs/experiments.md 15).
+# 2 shared cores here (docs/experiments.md 16).
 #
 # Environment: VENV (default .venv-vulkan), LLAMA_CPP_VERSION (default 0.3.36),
 # REBUILD=1 (ignore the cached wheel).

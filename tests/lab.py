@@ -1,6 +1,13 @@
 """A home lab in a box for tests and benchmarks: N devices, each a network namespace on one
 bridge (``netns.NetnsLab``) with its own memory cap and CPU quota (a cgroup, v1 or v2), its own
-EDGESPEC_HOME, and an `edgespec node` that finds the head over mDNS like a real device.
+EDGESPEC_HOME, and an `edgespec node` that finds the head over mDNS like a real device. The head
+has a namespace of its own (and, with ``head_share``, a CPU quota too); ``plain`` names further
+namespaces on the bridge without a cgroup (a link emulator's, outside every device's share).
+
+CPU quotas use a short CFS period (``CFS_PERIOD_US``, 10 ms): a device held to 30% of a core
+then runs at that rate within every few milliseconds, as a slow device does. With a long period
+(the kernel's default 100 ms) an idle device bursts at full speed for a whole period before it
+is throttled, which flatters whatever leaves devices idle between short decodes.
 
     with HomeLab(["n1", "n2", "n3"], tmp_path) as lab:
         lab.device("n3").cap(memory_mib=330, cpu_share=0.25)
@@ -29,7 +36,7 @@ import netns
 
 REPO = Path(__file__).resolve().parent.parent
 PORT = 7654
-CFS_PERIOD_US = 100_000
+CFS_PERIOD_US = 10_000
 
 
 class Cgroup:
@@ -48,22 +55,44 @@ class Cgroup:
             self.dirs = [root / name]
         else:
             self.dirs = [root / "memory" / name, root / "cpu" / name]
+            if (root / "cpuacct").is_dir() and not (root / "cpuacct").samefile(root / "cpu"):
+                self.dirs.append(root / "cpuacct" / name)
         for d in self.dirs:
             d.mkdir()
 
-    def cap(self, memory_mib: int | None = None, cpu_share: float | None = None) -> None:
-        """Set (or, with None, lift) the memory limit and the CPU share (1.0 = one core)."""
+    def cap(self, memory_mib: int | None = None, cpu_share: float | None = None,
+            period_us: int = CFS_PERIOD_US) -> None:
+        """Set (or, with None, lift) the memory limit and the CPU share (1.0 = one core) over
+        CFS periods of ``period_us``."""
         mem = "max" if memory_mib is None else str(memory_mib << 20)
-        quota = -1 if cpu_share is None else int(cpu_share * CFS_PERIOD_US)
+        quota = -1 if cpu_share is None else int(cpu_share * period_us)
         if self.v2:
             (self.dirs[0] / "memory.max").write_text(mem)
             (self.dirs[0] / "cpu.max").write_text(
-                f"{'max' if quota < 0 else quota} {CFS_PERIOD_US}")
+                f"{'max' if quota < 0 else quota} {period_us}")
         else:
             (self.dirs[0] / "memory.limit_in_bytes").write_text(
                 "-1" if memory_mib is None else mem)
-            (self.dirs[1] / "cpu.cfs_period_us").write_text(str(CFS_PERIOD_US))
+            (self.dirs[1] / "cpu.cfs_quota_us").write_text("-1")  # a period may shrink now
+            (self.dirs[1] / "cpu.cfs_period_us").write_text(str(period_us))
             (self.dirs[1] / "cpu.cfs_quota_us").write_text(str(quota))
+
+    def cpu_stat(self) -> dict[str, int]:
+        """The kernel's CPU accounting here: ``nr_periods``, ``nr_throttled`` and
+        ``throttled_us`` (v1's ``throttled_time`` is in ns), and ``usage_us`` where kept."""
+        d = self.dirs[0] if self.v2 else self.dirs[1]
+        out: dict[str, int] = {}
+        with contextlib.suppress(OSError, ValueError):
+            for line in (d / "cpu.stat").read_text().splitlines():
+                k, v = line.split()
+                out[k] = int(v)
+        if "throttled_time" in out:
+            out["throttled_us"] = out.pop("throttled_time") // 1000
+        if not self.v2:
+            acct = Path("/sys/fs/cgroup/cpuacct") / self.name / "cpuacct.usage"
+            with contextlib.suppress(OSError, ValueError):
+                out["usage_us"] = int(acct.read_text()) // 1000
+        return out
 
     def wrap(self, argv: list[str]) -> list[str]:
         """``argv`` started inside this cgroup (it joins before it runs, so every byte it
@@ -123,6 +152,12 @@ def edgespec() -> list[str]:
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "edgespec"]
 
 
+def enter(host: netns.Host, cgroup: Cgroup | None, argv: list[str]) -> list[str]:
+    """``argv`` run in ``host``'s network namespace and (unless None) in ``cgroup``."""
+    argv = ["nsenter", f"--net=/run/netns/{host.netns}", "--", *argv]
+    return cgroup.wrap(argv) if cgroup is not None else argv
+
+
 def env_for(home: Path) -> dict[str, str]:
     env = dict(os.environ)
     env["EDGESPEC_HOME"] = str(home)
@@ -146,6 +181,12 @@ class Device:
     def cap(self, memory_mib: int | None = None, cpu_share: float | None = None) -> None:
         self.cgroup.cap(memory_mib, cpu_share)
 
+    def enter(self, argv: list[str]) -> list[str]:
+        """``argv`` run in this device: its cgroup, then its network namespace only
+        (``nsenter``: ``ip netns exec`` would also mount a sysfs of its own, where a process
+        could not read its cgroup's limit as a container's process can)."""
+        return enter(self.host, self.cgroup, argv)
+
     def start_node(self, key_file: Path, workdir: Path, timeout: float = 60) -> None:
         out, err = workdir / f"{self.name}.out", workdir / f"{self.name}.err"
         self.logs = (out, err)
@@ -154,13 +195,8 @@ class Device:
         argv = [*edgespec(), "node", "--key-file", str(key_file), "--name", self.name,
                 "--bind", "0.0.0.0", "--port", str(PORT), "--threads", "1"]
         with open(out, "a") as fo, open(err, "a") as fe:
-            # Join the cgroup, then only the network namespace (nsenter): `ip netns exec`
-            # would also mount a sysfs of its own, where the node could not read its cgroup's
-            # limit as a container's process can.
-            enter = ["nsenter", f"--net=/run/netns/{self.host.netns}", "--"]
-            self.node = subprocess.Popen(self.cgroup.wrap([*enter, *argv]),
-                                         env=env_for(self.home), cwd=REPO, stdout=fo,
-                                         stderr=fe, text=True)
+            self.node = subprocess.Popen(self.enter(argv), env=env_for(self.home), cwd=REPO,
+                                         stdout=fo, stderr=fe, text=True)
         self.host.procs.append(self.node)
         deadline = time.monotonic() + timeout
         pattern = re.compile(rf"advertising {self.name}\.")
@@ -183,24 +219,32 @@ class Device:
 class HomeLab:
     """A head and N devices on one bridge (see the module docstring)."""
 
-    def __init__(self, names: list[str], workdir: Path) -> None:
+    def __init__(self, names: list[str], workdir: Path, *, head_share: float | None = None,
+                 plain: tuple[str, ...] = ()) -> None:
         self.names = names
         self.workdir = workdir
-        self.net = netns.NetnsLab(len(names) + 1, names=["head", *names])
+        self.head_share = head_share
+        self.net = netns.NetnsLab(len(names) + 1 + len(plain), names=["head", *names, *plain])
         self.devices: dict[str, Device] = {}
         self.head_home = workdir / "home-head"
+        self.head_cgroup: Cgroup | None = None
+        self.hosts: dict[str, netns.Host] = {}
 
     def __enter__(self) -> HomeLab:
         self.net.__enter__()
         tag = uuid.uuid4().hex[:6]
         try:
-            hosts = {h.name: h for h in self.net.hosts}
-            self.head = hosts["head"]
+            self.hosts = {h.name: h for h in self.net.hosts}
+            self.head = self.hosts["head"]
             self.head_home.mkdir(parents=True, exist_ok=True)
+            if self.head_share is not None:
+                self.head_cgroup = Cgroup(f"edgespec-lab-{tag}-head")
+                self.head_cgroup.cap(cpu_share=self.head_share)
             for n in self.names:
                 home = self.workdir / f"home-{n}"
                 home.mkdir(parents=True, exist_ok=True)
-                self.devices[n] = Device(n, hosts[n], Cgroup(f"edgespec-lab-{tag}-{n}"), home)
+                self.devices[n] = Device(n, self.hosts[n], Cgroup(f"edgespec-lab-{tag}-{n}"),
+                                         home)
         except BaseException:
             self.close()
             raise
@@ -225,6 +269,14 @@ class HomeLab:
                                  f"{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
         return res
 
+    def head_popen(self, argv: list[str], **kw) -> subprocess.Popen:
+        """Start ``argv`` as the head: its namespace, its CPU share (``head_share``), its
+        EDGESPEC_HOME (stopped when the lab closes)."""
+        kw.setdefault("env", env_for(self.head_home))
+        p = subprocess.Popen(enter(self.head, self.head_cgroup, argv), cwd=REPO, **kw)
+        self.head.procs.append(p)
+        return p
+
     def close(self) -> None:
         for d in self.devices.values():
             with contextlib.suppress(Exception):
@@ -232,3 +284,5 @@ class HomeLab:
         self.net.close()
         for d in self.devices.values():
             d.cgroup.close()
+        if self.head_cgroup is not None:
+            self.head_cgroup.close()

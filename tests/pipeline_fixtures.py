@@ -11,8 +11,8 @@ by a :class:`StageProcess` (a child process holding several windows of the model
 "k rounds per lap": with 2 processes x 2 windows each, a lap visits each process twice).
 
 The networked ring (edgespec.head) does the same over sockets; this module is also the reference
-it is tested against. Test and bench scaffolding (tests/, bench/stage_overhead.py), not part of
-the package: nodes run windows through ``edgespec.node``.
+it is tested against. Test scaffolding, not part of the package: nodes run windows through
+``edgespec.node``.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from edgespec.api import Ring
 from edgespec.drafters import Drafter, DraftTree
 from edgespec.head.engine import SpecEngine
 from edgespec.head.engine.gain import GainMeter, RingRates
+from edgespec.head.engine.policy import TreePolicy
 from edgespec.params import GenerationParams
 
 
@@ -244,3 +245,70 @@ def test_ring_rates_fed_by_slot_threads_lose_no_tree_step() -> None:
     assert steps == tokens == RingRates.LONG_RUN
     assert seconds == pytest.approx(RingRates.LONG_RUN * 0.002)
     assert rates.plain_ms == pytest.approx(10.0)
+
+
+def test_beside_others_a_tree_step_counts_once_for_every_request_decoding() -> None:
+    """A tree step's rows hold up every request decoding on the ring: while k decode, its
+    time counts k times. Trees twice as fast as plain laps for their own request pay alone,
+    not beside another request (they would cost it as much as they save)."""
+    meter = GainMeter()
+    meter.record_plain(0.1)  # plain laps: 10 tok/s
+    twice = [(8, 0.4)] * GainMeter.TRIAL_MAX  # 20 tok/s for the request itself
+    assert _trial(meter, twice)
+    assert not _trial(meter, twice, sharers=2)
+    assert _trial(meter, [(40, 0.4)] * GainMeter.TRIAL_MAX, sharers=4)  # 100 tok/s: still pays
+
+
+def test_flow_decodes_plain_laps_while_requests_fill_the_pipeline() -> None:
+    """As many requests as stages keep every stage busy at one row a token: flow's steps are
+    plain laps then, whatever the trees gained; with fewer, the gain meter decides. A fixed
+    budget is taken as given."""
+    policy = TreePolicy()
+    policy.record_plain(0.1)
+    for _ in range(GainMeter.LONG_RUN_MIN):
+        policy.record_tree(40, 0.4)  # 100 tok/s against plain laps' 10
+    policy.begin()
+    assert policy.flow_segment(1, 3) == TreePolicy.FLOW_SEGMENT
+    assert policy.flow_segment(2, 3) == TreePolicy.FLOW_SEGMENT
+    assert policy.flow_segment(3, 3) == 0 and policy.flow_segment(4, 3) == 0
+    assert policy.flow_segment(4, 1) == TreePolicy.FLOW_SEGMENT  # one stage: no pipeline
+    assert TreePolicy(budget=12).flow_segment(4, 3) == 4
+
+
+class CountingDrafter(RightDrafter):
+    """RightDrafter that records what it was given to read."""
+
+    def __init__(self, reference: Sequence[int], n_vocab: int) -> None:
+        super().__init__(reference, n_vocab)
+        self.begun: list[list[int]] = []
+
+    def begin(self, prompt_tokens: Sequence[int]) -> None:
+        self.begun.append([int(t) for t in prompt_tokens])
+        super().begin(prompt_tokens)
+
+
+def test_a_request_on_a_full_pipeline_leaves_the_drafter_until_it_drafts(ring) -> None:
+    """A request that starts beside others leaves the head's draft model to them: while as
+    many requests decode as the ring has stages it decodes plain laps, and its drafter does
+    not read the prompt meanwhile; once the ring has room again, its first tree has the
+    drafter read the whole text so far, and the answer is the one mode none gives. Alone,
+    the drafter reads the prompt while the prefill lap is in flight."""
+    prompt = _prompt(ring)
+    n = 24
+    ref = _decode(SpecEngine(ring.chain, n_ctx=1024), prompt, n, "none")
+    engine = SpecEngine(ring.chain, n_ctx=1024,
+                        drafter=CountingDrafter(prompt + ref, ring.tokenizer.n_vocab))
+    engine.sharers = lambda: 2  # two stages: full
+    assert _decode(engine, prompt, n, "flow") == ref
+    assert engine.drafter.begun == [] and engine.stats.plain_steps == n
+    # Full while the first 10 steps are decided, then alone: trees from the text so far.
+    calls = iter(range(10**6))
+    engine.sharers = lambda: 2 if next(calls) < 12 else 1
+    assert _decode(engine, prompt, n, "flow") == ref
+    (text,) = engine.drafter.begun
+    assert text[:len(prompt)] == prompt and len(prompt) < len(text) < len(prompt) + n
+    assert text == (prompt + ref)[:len(text)]
+    assert engine.stats.plain_steps < n
+    engine.sharers = lambda: 1
+    assert _decode(engine, prompt, n, "flow") == ref
+    assert engine.drafter.begun[-1] == prompt

@@ -41,7 +41,7 @@ PROMPT = "# Check whether a number is prime\ndef is_prime(n):"
 #: width, against float32 sums on the CPU. The hidden states have outlier channels near 855,
 #: so their bound is relative to the largest |value| of the CPU's states. Measured on
 #: lavapipe (Mesa 22.3, the 0.5B's windows of 12 layers, 14-row prompt and a decode row;
-#: docs/experiments.md 15): hidden 1.7e-2 fully offloaded (8.9e-5 with 6 of 12 layers, not
+#: docs/experiments.md 16): hidden 1.7e-2 fully offloaded (8.9e-5 with 6 of 12 layers, not
 #: analysed further), logits 0.77-0.80 of a range near +-30. The bounds are about 2x those.
 HIDDEN_REL = 4e-2
 LOGITS_ABS = 1.6

@@ -572,3 +572,19 @@ def test_ring_status_and_down_with_dead_nodes(tiny_model, keys, tmp_path):
         for n in nodes:
             n.stop()
     assert nodes[0].proc.returncode == 0 and nodes[2].proc.returncode == 0
+
+
+def test_the_last_node_takes_fewer_layers_for_the_output_head():
+    """The last window also runs the output head, whose bytes read per row are those of
+    several layers (here 30 MiB against 10 MiB layers: 3 layers' work): equal nodes get equal
+    work per lap, so the last gets 3 layers fewer, and the estimate counts the head."""
+    nodes = [_prof(x, 1.0, free_mem=400 * _MIB) for x in "abc"]
+    assert _MEM.head_layers() == pytest.approx(3.0)
+    plan = plan_ring(12, 10 * _MIB, nodes, memory=_MEM, n_ctx=0)
+    assert _counts(plan) == [5, 5, 2]  # 15 layers' work: 5 each, 3 of the last's the head
+    assert plan.est_lap_ms == pytest.approx(15.0)
+    # Without the memory model (no sizes known) the split is by layers alone.
+    assert _counts(plan_ring(12, 10 * _MIB, nodes)) == [4, 4, 4]
+    # The last node still holds a window of its own where the head alone outweighs its share.
+    slow_last = [*nodes[:2], _prof("c", 4.0, free_mem=400 * _MIB)]
+    assert _counts(plan_ring(12, 10 * _MIB, slow_last, memory=_MEM, n_ctx=0))[-1] == 1

@@ -100,7 +100,7 @@ def test_unimplemented_fields_and_endpoints_are_refused_in_openais_shape(base):
     assert r.status_code == 200, r.text
     for method, path in [("POST", "/v1/embeddings"), ("POST", "/v1/images/generations"),
                          ("POST", "/v1/audio/transcriptions"), ("GET", "/v1/files"),
-                         ("POST", "/v1/responses"), ("GET", "/v1/models/tiny")]:
+                         ("POST", "/v1/batches"), ("GET", "/v1/models/tiny")]:
         r = client.request(method, path, json={"input": "x"})
         assert r.status_code == 404, (path, r.text)
         err = r.json()["error"]

@@ -256,7 +256,8 @@ class Ring:
     def up(cls, model: str | Path = "qwen2.5-coder-0.5b", nodes: str = "auto", *,
            key: str | Path | None = None, **kwargs: Any) -> Ring:
         """Discover nodes (``nodes="auto"``: mDNS; or ``"host:port,..."``), plan, load and
-        connect a ring, and return its head (the head's settings as for ``local``)."""
+        connect a ring, and return its head (the head's settings as for ``local``; ``proxy``
+        as there, e.g. a link emulator in front of every node)."""
         from edgespec.head.build import up
 
         return up(cls, model, nodes, HeadConfig.take(kwargs), key=key, **kwargs)

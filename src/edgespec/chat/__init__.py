@@ -63,14 +63,15 @@ def run_chat(ring: Ring, *, system: str | None = None, temperature: float = 0.0,
 
 def run_server_chat(url: str, *, api_key: str | None = None, system: str | None = None,
                     temperature: float = 0.0, max_tokens: int = 512,
-                    json_schema: dict[str, Any] | None = None,
+                    json_schema: dict[str, Any] | None = None, ca_file: str | None = None,
                     stdin: TextIO | None = None, stdout: TextIO | None = None,
                     stderr: TextIO | None = None) -> int:
     """Chat with the `edgespec serve` at ``url``; returns the exit code. ``json_schema``:
-    sent as every request's ``response_format``."""
+    sent as every request's ``response_format``; ``ca_file``: the certificate an HTTPS
+    server is trusted by."""
     backend = ServerBackend(url, api_key=api_key or os.environ.get("EDGESPEC_API_KEY"),
                             system=system, temperature=temperature, max_tokens=max_tokens,
-                            json_schema=json_schema)
+                            json_schema=json_schema, ca_file=ca_file)
     return chat_loop(backend, stdin=stdin, stdout=stdout, stderr=stderr)
 
 

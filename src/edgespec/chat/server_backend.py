@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import ssl
 import threading
 import time
 import urllib.error
@@ -36,12 +37,15 @@ class ServerBackend:
 
     def __init__(self, url: str, *, api_key: str | None, system: str | None,
                  temperature: float, max_tokens: int, timeout: float = 600.0,
-                 json_schema: dict[str, Any] | None = None) -> None:
+                 json_schema: dict[str, Any] | None = None,
+                 ca_file: str | None = None) -> None:
         base = url.rstrip("/")
         if not re.match(r"^https?://", base):
             base = "http://" + base
         self.base = base[: -len("/v1")] if base.endswith("/v1") else base
         self.api_key = api_key
+        # HTTPS: the system's trusted CAs, or the certificate (or CA) in ``ca_file``.
+        self.tls = ssl.create_default_context(cafile=ca_file) if ca_file else None
         self.system = system
         self.temperature = temperature
         self.max_tokens = max_tokens
@@ -69,11 +73,15 @@ class ServerBackend:
         req = urllib.request.Request(self.base + path, data=data, headers=headers,
                                      method="POST" if body is not None else "GET")
         try:
-            return urllib.request.urlopen(req, timeout=timeout or self.timeout)
+            return urllib.request.urlopen(req, timeout=timeout or self.timeout,
+                                          context=self.tls)
         except urllib.error.HTTPError as e:
             raise ServerError(self._http_error(e)) from None
         except urllib.error.URLError as e:
             reason = getattr(e, "reason", e)
+            if isinstance(reason, ssl.SSLError):
+                raise ServerError(f"{self.base} is not trusted ({reason}): give its "
+                                  f"certificate with --ca-file") from None
             raise ServerError(f"no edgespec server answers at {self.base} ({reason}): start "
                               f"`edgespec serve` there, or check --server") from None
         except TimeoutError:

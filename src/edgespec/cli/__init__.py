@@ -26,7 +26,7 @@ typical use:
   edgespec node                                on every device
   edgespec ring up --expect 3                  discover the nodes, plan, load, link
   edgespec chat                                chat with the ring that is up
-  edgespec serve --port 8080                   OpenAI-compatible API over the ring
+  edgespec serve --port 8080                   OpenAI/Ollama/Anthropic APIs over the ring
 
 Run `edgespec COMMAND --help` for the options of each command.
 """

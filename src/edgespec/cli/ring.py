@@ -267,6 +267,7 @@ def _rebalance_through(url: str, holder: dict, args: argparse.Namespace) -> int:
     import urllib.error
     import urllib.request
 
+    from edgespec.cli.served import tls_context
     from edgespec.holder import describe_holder
 
     body = {"profile": not args.no_profile,
@@ -280,7 +281,8 @@ def _rebalance_through(url: str, holder: dict, args: argparse.Namespace) -> int:
     print(f"the ring is held by {describe_holder(holder)}: rebalancing through it at {url} "
           "(requests in flight finish first)...")
     try:
-        with urllib.request.urlopen(req, timeout=args.wait) as r:  # noqa: S310 - http(s)
+        with urllib.request.urlopen(req, timeout=args.wait,  # noqa: S310 - http(s)
+                                    context=tls_context(url)) as r:
             view = json.loads(r.read())
     except urllib.error.HTTPError as e:
         try:

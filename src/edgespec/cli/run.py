@@ -101,7 +101,7 @@ def _chat(args: argparse.Namespace) -> int:
                              "a ring of its own: give one of them")
         return run_server_chat(args.server, api_key=args.api_key, system=args.system,
                                temperature=args.temperature, max_tokens=args.max_tokens,
-                               json_schema=schema)
+                               json_schema=schema, ca_file=args.ca_file)
     with _open_ring(args) as ring:
         _warn_other_model(args, ring)
         return run_chat(ring, system=args.system, temperature=args.temperature,
@@ -138,6 +138,9 @@ def _add_chat(sub) -> None:
                         "over its OpenAI API instead of holding the ring in this process")
     p.add_argument("--api-key", default=None,
                    help="bearer token for --server (default: $EDGESPEC_API_KEY, if set)")
+    p.add_argument("--ca-file", default=None, metavar="FILE",
+                   help="trust the HTTPS --server whose certificate (or its CA) is FILE, e.g. "
+                        "the serve-cert.pem of `serve --tls-self-signed`")
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument("--temperature", type=_at_least(0.0, float), default=0.0,
                    help="0 = greedy")
@@ -169,27 +172,51 @@ def _serve(args: argparse.Namespace) -> int:
     from edgespec.server.app import serve
 
     _check_port_free(args.host, args.port)
+    tls = _tls_files(args)
+    scheme = "https" if tls else "http"
     if args.port:
         # The nodes show this URL as their holder's, so `ring rebalance` run on any machine
         # goes through this server (a wildcard address is named by this host's name).
         wild = args.host in ("0.0.0.0", "::", "")
-        remote.SERVING_URL = (f"http://{socket.gethostname()}:{args.port}" if wild
-                              else local_url(args.host, args.port))
+        remote.SERVING_URL = (f"{scheme}://{socket.gethostname()}:{args.port}" if wild
+                              else local_url(args.host, args.port, scheme))
     # The record lets `edgespec ring status` and `ring rebalance` find this server.
-    with _open_ring(args) as ring, serve_record(args.host, args.port) as record:
+    with _open_ring(args) as ring, serve_record(args.host, args.port, scheme) as record:
         # --model is what the user calls the model (a registry name or a path): clients
         # may use it as the model id too.
         serve(ring, args.served_name or ring.model_name, host=args.host, port=args.port,
               max_queue=args.max_queue, aliases=[args.model],
               api_key=args.api_key or os.environ.get("EDGESPEC_API_KEY") or None,
-              allow_hosts=args.allow_host, read_timeout=args.read_timeout,
-              on_ready=lambda url: record.write(local_url(args.host, int(url.rsplit(":", 1)[1]))))
+              allow_hosts=args.allow_host, read_timeout=args.read_timeout, tls=tls,
+              on_ready=lambda url: record.write(local_url(args.host, int(url.rsplit(":", 1)[1]),
+                                                          scheme)))
     return 0
 
 
+def _tls_files(args: argparse.Namespace) -> tuple[str, str] | None:
+    """The (certificate, key) files `serve` answers HTTPS with, or None for plain HTTP:
+    those given, or the self-signed pair kept beside the ring key (made on first use)."""
+    if args.tls_self_signed:
+        if args.tls_cert or args.tls_key:
+            raise ValueError("give --tls-self-signed or --tls-cert/--tls-key, not both")
+        from edgespec.server.tls import self_signed
+        from edgespec.wire.auth import default_key_path
+
+        cert, key = self_signed(default_key_path().parent, [args.host, *args.allow_host])
+        return str(cert), str(key)
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ValueError("--tls-cert and --tls-key go together")
+    for f in (args.tls_cert, args.tls_key):
+        if f and not os.path.isfile(f):
+            raise ValueError(f"no such file: {f}")
+    return (args.tls_cert, args.tls_key) if args.tls_cert else None
+
+
 def _add_serve(sub) -> None:
-    p = _add(sub, "serve", "OpenAI-compatible HTTP server over the ring",
+    p = _add(sub, "serve", "OpenAI-, Ollama- and Anthropic-compatible HTTP(S) server over the "
+             "ring",
              "Serves /v1/models, /v1/completions and /v1/chat/completions (with streaming), "
+             "OpenAI's /v1/responses, Anthropic's /v1/messages, the Ollama API under /api, "
              "and a web page at / (chat, the ring drawn live, the token tree, session "
              "charts; live data: /v1/ring). Up to --parallel requests run at once, one per "
              "slot of the ring; the rest wait in arrival order, and beyond --max-queue "
@@ -221,6 +248,14 @@ def _add_serve(sub) -> None:
                         "server through DNS rebinding); localhost names, the --host address "
                         "and, with --host 0.0.0.0, this machine's addresses and name are "
                         "always allowed")
+    p.add_argument("--tls-cert", default=None, metavar="FILE",
+                   help="serve HTTPS with this PEM certificate (chain); needs --tls-key")
+    p.add_argument("--tls-key", default=None, metavar="FILE",
+                   help="the PEM private key of --tls-cert")
+    p.add_argument("--tls-self-signed", action="store_true",
+                   help="serve HTTPS with a self-signed certificate made on first use and kept "
+                        "beside the ring key (serve-cert.pem); its SHA-256 fingerprint is "
+                        "printed at start. Clients trust it with e.g. curl --cacert FILE")
     p.add_argument("--read-timeout", type=float, default=15.0, metavar="S",
                    help="seconds a client has to send a whole request, headers and body; "
                         "slower connections are dropped (default: %(default)s)")

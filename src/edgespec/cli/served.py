@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import socket
+import ssl
 import time
 import urllib.request
 from pathlib import Path
@@ -47,18 +48,18 @@ class _Record:
             self.written = True
 
 
-def local_url(host: str, port: int) -> str:
+def local_url(host: str, port: int, scheme: str = "http") -> str:
     """The URL this host reaches a server listening on ``host:port`` at."""
-    return f"http://{_url_host(host)}:{port}"
+    return f"{scheme}://{_url_host(host)}:{port}"
 
 
 @contextlib.contextmanager
-def serve_record(host: str, port: int):
+def serve_record(host: str, port: int, scheme: str = "http"):
     """The record for the server's lifetime: written now when the port is known, else by
     ``record.write(url)`` once the server listens."""
     record = _Record()
     if port:
-        record.write(local_url(host, port))
+        record.write(local_url(host, port, scheme))
     try:
         yield record
     finally:
@@ -87,10 +88,27 @@ def running_server() -> str | None:
     return url
 
 
+def tls_context(url: str) -> ssl.SSLContext | None:
+    """What a CLI command trusts an ``https`` server by: the system's CAs and the
+    self-signed certificate `serve --tls-self-signed` keeps beside the ring key, if any."""
+    if not url.startswith("https://"):
+        return None
+    from edgespec.server.tls import CERT_NAME
+    from edgespec.wire.auth import default_key_path
+
+    ctx = ssl.create_default_context()
+    kept = default_key_path().parent / CERT_NAME
+    if kept.exists():
+        with contextlib.suppress(OSError, ssl.SSLError):
+            ctx.load_verify_locations(cafile=str(kept))
+    return ctx
+
+
 def fetch_json(url: str, path: str, api_key: str | None, timeout: float = 5.0) -> dict[str, Any]:
     """GET ``url + path`` as JSON (with the server's API key, if any)."""
     req = urllib.request.Request(url.rstrip("/") + path)
     if api_key:
         req.add_header("Authorization", f"Bearer {api_key}")
-    with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 - http(s) only
+    with urllib.request.urlopen(req, timeout=timeout,  # noqa: S310 - http(s) only
+                                context=tls_context(url)) as r:
         return json.loads(r.read())

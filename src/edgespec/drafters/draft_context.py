@@ -6,7 +6,7 @@ weights are read once per call; on a host with fewer cores than busy slots that 
 most of the cost. A ``DraftContext`` shared by the slots instead takes the rows of every
 slot that is decoding at that moment in one call (flat combining: whoever finds the context
 idle decodes everything queued, its own rows and the others'; nobody waits for company, so a
-request alone decodes exactly as before). ``bench/draft_batch_probe.py`` measures the saving.
+request alone decodes exactly as before). The saving: docs/experiments.md 8.
 
 Seq ids are partitioned as the stages' are (``edgespec.seqs``: slot ``i`` owns
 ``[i*W, (i+1)*W)``, ``W = 256 // S``), through its ``DraftSeqs`` view, which maps the drafter's

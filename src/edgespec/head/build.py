@@ -134,9 +134,11 @@ def ring_up(model_path: Path, addrs: Sequence[Address], key_bytes: bytes, *,
             ranges: Sequence[tuple[int, int]] | None = None, n_ctx: int = 4096,
             encoding: str = "f32", profile: bool = True, head: dict | None = None,
             take_over: bool = False, log_fn: Callable[[str], None] = log.info,
-            warn: Callable[[str], None] = log.warning) -> tuple[RemoteChain, Path]:
+            warn: Callable[[str], None] = log.warning,
+            proxy: Callable[[Address], Address] | None = None) -> tuple[RemoteChain, Path]:
     """Form the ring over ``addrs``, save its state, and have the nodes of the previous ring
-    that are not in this one give their memory back. Returns the chain and the state path."""
+    that are not in this one give their memory back. Returns the chain and the state path.
+    ``proxy``: the address to dial for a node's address (a link emulator's, in benchmarks)."""
     head = head or head_identity()
     previous: list = []
     if state_path().exists():
@@ -144,7 +146,7 @@ def ring_up(model_path: Path, addrs: Sequence[Address], key_bytes: bytes, *,
             previous = load_state().named_nodes()
     chain = form_ring(addrs, model_path, key_bytes, ranges=ranges, rounds=rounds, n_ctx=n_ctx,
                       encoding=encoding, profile=profile, log_fn=log_fn, head=head,
-                      take_over=take_over)
+                      take_over=take_over, proxy=proxy)
     try:
         path = save_state(chain, model_path, {"encoding": encoding, "n_ctx": n_ctx,
                                               "key_file": key_file})
@@ -194,8 +196,10 @@ def up(cls, model: str | os.PathLike[str], nodes: str = "auto",
        config: HeadConfig | None = None, *, key: str | None = None,
        expect: int | None = None, timeout: float = 5.0, rounds: int = 1,
        ranges: Sequence[tuple[int, int]] | None = None, n_ctx: int = 4096,
-       encoding: str = "f32", take_over: bool = False):
-    """Discover (or list) nodes, bring the ring up (``ring_up``), and return its head."""
+       encoding: str = "f32", take_over: bool = False,
+       proxy: Callable[[Address], Address] | None = None):
+    """Discover (or list) nodes, bring the ring up (``ring_up``), and return its head.
+    ``proxy`` as for ``ring_up`` (kept by its recovery and rebalance)."""
     from edgespec.wire.auth import ensure_key
 
     config = config or HeadConfig()
@@ -209,16 +213,15 @@ def up(cls, model: str | os.PathLike[str], nodes: str = "auto",
     addrs = find_nodes(nodes, key_bytes, expect=expect, timeout=timeout)
     chain, _path = ring_up(model_path, addrs, key_bytes, key_file=key, rounds=rounds,
                            ranges=ranges, n_ctx=n_ctx, encoding=encoding, head=head,
-                           take_over=take_over)
+                           take_over=take_over, proxy=proxy)
     options = {"encoding": encoding, "n_ctx": n_ctx, "key_file": key}
     known = list(addrs)
     # A re-formed ring keeps the sequences this head's slots were cut from.
-    recover = recovering(model_path, key_bytes, known, head, options, n_ctx=n_ctx,
-                         encoding=encoding, rounds=rounds, n_seq_max=chain.n_seq_max)
+    form = {"n_ctx": n_ctx, "encoding": encoding, "rounds": rounds,
+            "n_seq_max": chain.n_seq_max, "proxy": proxy}
+    recover = recovering(model_path, key_bytes, known, head, options, **form)
     ring = build_head(cls, chain, model_path, config, n_ctx=n_ctx, recover=recover)
-    ring._rebalance_fn = rebalancing(model_path, key_bytes, known, head, options,
-                                     n_ctx=n_ctx, encoding=encoding, rounds=rounds,
-                                     n_seq_max=chain.n_seq_max)
+    ring._rebalance_fn = rebalancing(model_path, key_bytes, known, head, options, **form)
     return ring
 
 

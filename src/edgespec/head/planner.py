@@ -251,7 +251,15 @@ def plan_ring(n_layer: int, layer_bytes: int, nodes: Sequence[NodeProfile], *,
                 raise PlanError(f"node {n.name} ({n.host}:{n.port}) has {n.free_mem} bytes "
                                 f"free, not enough for one layer ({layer_bytes} bytes): free "
                                 f"memory there or leave it out of the ring")
-        counts = _shares(n_layer, speeds, caps)
+        # The last window also runs the output head, as much work per row as several layers:
+        # its node is given that many layers fewer, so every stage takes as long per lap
+        # (a pipelined ring runs at its slowest stage's pace).
+        head = round(memory.head_layers()) if memory is not None and n_layer > 1 else 0
+        units = _shares(n_layer + head, speeds, [*caps[:-1], caps[-1] + head])
+        counts = [*units[:-1], units[-1] - head]
+        while head and counts[-1] < rounds:  # it still holds a window per round
+            counts[max(range(len(counts) - 1), key=counts.__getitem__)] -= 1
+            counts[-1] += 1
         if any(c < rounds for c in counts):
             raise PlanError(f"{rounds} rounds need at least {rounds} layers per node; shares "
                             f"are {counts}")
@@ -277,6 +285,8 @@ def plan_ring(n_layer: int, layer_bytes: int, nodes: Sequence[NodeProfile], *,
                                 f"layers {held} at n_ctx={n_ctx}, it has {n.free_mem} free: free "
                                 f"memory there, add a device, or give it fewer layers")
     compute = sum(w.n_layers * nodes[w.node].layer_ms(batch) for w in windows)
+    if memory is not None:
+        compute += memory.head_layers() * nodes[windows[-1].node].layer_ms(batch)
     hops = sum(nodes[w.node].rtt_ms / 2 for w in windows) + nodes[windows[-1].node].rtt_ms / 2
     return Plan(nodes, windows, n_layer, est_lap_ms=compute + hops)
 

@@ -2,7 +2,7 @@
 
 llama.cpp attends over the used span of a stage's unified KV cache, masking other sequences'
 cells but still computing over them, so the cells an idle slot keeps for its conversation's
-next turn slow every other slot's decodes (``bench/stale_kv_probe.py``: 8-10% for a 1-row
+next turn slow every other slot's decodes (docs/experiments.md 8: 8-10% for a 1-row
 decode beside 3 idle slots of 300 cells). Parking copies a sequence's cells out of llama.cpp
 (``llama_state_seq_get_data``) and frees them; restoring copies them back
 (``llama_state_seq_set_data``, which takes free cells wherever they are, contiguous or not:

@@ -34,6 +34,13 @@ class ModelMemory:
         """Weights plus KV cache of layer ``i`` at ``n_ctx`` cells."""
         return self.layer_weights[i] + self.kv_per_token[i] * n_ctx
 
+    def head_layers(self) -> float:
+        """The output head's decode work in layers: the bytes each row reads there (the
+        embeddings when they are tied) over a layer's mean weights. Decoding a few rows on a
+        device reads every weight once, so time follows bytes (docs/design.md 5.3)."""
+        layers = sum(self.layer_weights) / max(1, len(self.layer_weights))
+        return (self.head_bytes or self.embd_bytes) / max(1.0, layers)
+
     def window_bytes(self, a: int, b: int, n_ctx: int) -> int:
         """A window's weights, KV cache, and the embeddings / head when it holds the ends."""
         total = sum(self.layer_bytes(i, n_ctx) for i in range(a, b))

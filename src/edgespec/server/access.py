@@ -1,5 +1,6 @@
-"""The API key on every endpoint (``serve --api-key``): a bearer token or the page's same-site
-cookie, compared in constant time; a login page for a browser without it."""
+"""The API key on every endpoint (``serve --api-key``): a bearer token, Anthropic's
+``x-api-key`` header or the page's same-site cookie, compared in constant time; a login page
+for a browser without it, and for an API client a 401 in its door's error shape."""
 
 from __future__ import annotations
 
@@ -31,6 +32,18 @@ _LOGIN_PAGE = """<!doctype html><html lang="en"><head><meta charset="utf-8">
 <button>Open</button></form><script>""" + _LOGIN_SCRIPT + """</script></body></html>"""
 
 
+def _refusal(path: str, headers: dict[str, str]) -> Response:
+    """The 401 in the error shape of the door ``path`` belongs to."""
+    from edgespec.server import anthropic, ollama
+
+    why = "missing or wrong API key: send 'Authorization: Bearer <key>'"
+    if path.startswith("/api/"):
+        return ollama._error(401, why, headers=headers)
+    if path == "/v1/messages":
+        return anthropic._error(401, why + " or 'x-api-key: <key>'", headers=headers)
+    return _error(401, why, "invalid_request_error", code="invalid_api_key", headers=headers)
+
+
 class _KeyCheck:
     """ASGI middleware: every request must carry the API key, as ``Authorization: Bearer
     <key>`` (API clients) or the page's ``edgespec_key`` cookie (browsers: a same-site
@@ -45,6 +58,8 @@ class _KeyCheck:
         auth = headers.get(b"authorization", b"")
         if auth[:7].lower() == b"bearer ":
             return auth[7:].strip()
+        if b"x-api-key" in headers:  # Anthropic's clients send the key so
+            return headers[b"x-api-key"].strip()
         cookie = headers.get(b"cookie")
         if cookie:
             jar: SimpleCookie = SimpleCookie()
@@ -62,7 +77,5 @@ class _KeyCheck:
         if scope.get("path") == "/" and scope.get("method") == "GET":
             response: Response = HTMLResponse(_LOGIN_PAGE, status_code=401, headers=headers)
         else:
-            response = _error(401, "missing or wrong API key: send 'Authorization: Bearer "
-                              "<key>'", "invalid_request_error", code="invalid_api_key",
-                              headers=headers)
+            response = _refusal(str(scope.get("path", "")), headers)
         await response(scope, receive, send)

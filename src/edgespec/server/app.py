@@ -1,4 +1,6 @@
-"""OpenAI-compatible HTTP server over a ring (`edgespec serve`).
+"""OpenAI-compatible HTTP server over a ring (`edgespec serve`), with the Ollama API,
+Anthropic Messages and OpenAI Responses on the same port (``ollama``, ``anthropic``,
+``responses``: each turns its request into the chat request below and runs it the same way).
 
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``, with
 ``stream: true`` as server-sent events (``stream_options.include_usage`` adds a final usage
@@ -70,11 +72,13 @@ or SIGINT stops every generation at its next step (a stream then ends with an er
 whole one), so the server exits promptly even mid-answer and the caller closes the ring.
 FastAPI/uvicorn are used because they are the standard ASGI stack for this kind of API.
 
-This module builds the app (routes) and runs it; the parts live beside it: ``requests``
-(request models), ``chat_input`` (a chat's messages and tools, and tool calls in the
-answer), ``replies`` (errors and their statuses), ``inflight`` (cancel events for a
-shutdown), ``streaming`` (the completion endpoints' generations), ``live`` (the page's live
-view), ``access`` (the API key), ``health`` and ``listener``.
+This module builds the app (routes) and runs it, over HTTPS with ``tls`` files (``tls``
+makes a self-signed pair); the parts live beside it: ``requests`` (request models),
+``chat_input`` (a chat's messages and tools, and tool calls in the answer), ``replies``
+(errors and their statuses), ``inflight`` (cancel events for a shutdown), ``runs`` (every
+door's one path through the ring's queue), ``streaming`` (OpenAI's completion answers),
+the doors, ``live`` (the page's live view), ``access`` (the API key), ``health`` and
+``listener``.
 """
 
 from __future__ import annotations
@@ -96,6 +100,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from edgespec.api import Ring
 from edgespec.server.access import LOGIN_SCRIPT_HASH, _KeyCheck
+from edgespec.server.anthropic import AnthropicDoor
 from edgespec.server.health import Metrics, Monitor
 from edgespec.server.inflight import Inflight
 from edgespec.server.listener import (
@@ -107,9 +112,14 @@ from edgespec.server.listener import (
     guarded_protocol,
 )
 from edgespec.server.live import _Live, live_events
+from edgespec.server.ollama import OllamaDoor
+from edgespec.server.ollama import _error as ollama_error
 from edgespec.server.replies import _error, _failure, _failure_message
 from edgespec.server.requests import _BadRequest, parse_rebalance
+from edgespec.server.responses import ResponsesDoor
+from edgespec.server.runs import Runs
 from edgespec.server.streaming import Completions
+from edgespec.server.tls import exposure_warnings, fingerprint
 
 log = logging.getLogger("edgespec.server")
 
@@ -147,10 +157,12 @@ def _slots(ring: Ring) -> list[dict[str, Any]]:
 
 
 #: What a request for an endpoint this server does not have is told it serves instead.
-SERVED_ENDPOINTS = "POST /v1/chat/completions, POST /v1/completions and GET /v1/models"
+SERVED_ENDPOINTS = ("POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, "
+                    "POST /v1/messages, GET /v1/models and the Ollama API under /api")
 
 #: The endpoints whose POST bodies are JSON (anything else is 415).
-JSON_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/ring/rebalance")
+JSON_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/ring/rebalance",
+                  "/v1/responses", "/v1/messages", "/api/chat", "/api/generate", "/api/show")
 
 
 def create_app(ring: Ring, model_name: str, max_queue: int = 16,
@@ -197,12 +209,15 @@ def create_app(ring: Ring, model_name: str, max_queue: int = 16,
 
     @app.exception_handler(_BadRequest)
     async def _bad_request(_: Request, exc: _BadRequest) -> JSONResponse:
-        return _error(exc.status, str(exc), "invalid_request_error", code=exc.code,
-                      param=exc.param)
+        return _error(exc.status, str(exc), exc.kind, code=exc.code, param=exc.param,
+                      headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         # Unknown routes and wrong methods answer in OpenAI's shape too, so clients can parse it.
+        if request.url.path.startswith("/api/"):  # the Ollama door's shape
+            return ollama_error(exc.status_code, f"{request.method} {request.url.path}: "
+                                f"{exc.detail}")
         if exc.status_code == 404 and "endpoint" not in request.scope:
             # No route matched: an OpenAI endpoint this server lacks (/v1/embeddings, images,
             # audio, ...) is named as unsupported. 404, not 501: OpenAI clients retry a 5xx,
@@ -303,11 +318,15 @@ def create_app(ring: Ring, model_name: str, max_queue: int = 16,
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
-    gens = Completions(ring, model_name, inflight=inflight, live=live, count=count,
-                       max_body=max_body, known_names=known_names,
-                       metrics=metrics)
+    runs = Runs(ring, model_name, inflight=inflight, live=live, count=count,
+                max_body=max_body, known_names=known_names, metrics=metrics)
+    gens = Completions(runs)
     app.post("/v1/completions")(gens.completions)
     app.post("/v1/chat/completions")(gens.chat_completions)
+    # The other APIs' doors, each turning its request into the same chat request.
+    ResponsesDoor(runs).routes(app)
+    AnthropicDoor(runs).routes(app)
+    OllamaDoor(runs).routes(app)
     return app
 
 
@@ -317,7 +336,8 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def ready_lines(ring: Ring, model_name: str, url: str, api_key: str | None) -> list[str]:
+def ready_lines(ring: Ring, model_name: str, url: str, api_key: str | None,
+                cert: str | None = None) -> list[str]:
     """What `serve` prints once it listens: the model, the ring, and where to go."""
     try:
         view = ring.describe(probe=False)
@@ -331,17 +351,22 @@ def ready_lines(ring: Ring, model_name: str, url: str, api_key: str | None) -> l
     lines = [f"edgespec serve: model {model_name} ({ring.model_name}.gguf)",
              f"  ring: {len(stages)} stage(s) [{plan}] on {where}; {ring.parallel} slot(s)",
              f"  page: {url}/   API: {url}/v1   health: {url}/health   metrics: {url}/metrics"]
+    lines.append(f"  also: OpenAI Responses {url}/v1/responses, Anthropic Messages "
+                 f"{url}/v1/messages, Ollama {url}/api")
+    if cert:
+        lines.append(f"  TLS certificate {cert}, SHA-256 {fingerprint(cert)}")
     if api_key:
         lines.append("  every endpoint needs the API key (Authorization: Bearer <key>)")
     return lines
 
 
 def server_config(app: FastAPI, host: str, port: int, *, read_timeout: float = READ_TIMEOUT_S,
-                  log_level: str = "info") -> Any:
+                  log_level: str = "info", tls: tuple[str, str] | None = None) -> Any:
     """uvicorn's settings for ``app`` (made by ``create_app``): the listener's deadlines and
     caps (``listener``), idle keep-alive connections closed after 5 s, open connections
     capped (beyond: 503) above what the reading cap, the slots, the queue and the page's
-    viewers use, and a shutdown that waits at most 5 s for responses still being written."""
+    viewers use, and a shutdown that waits at most 5 s for responses still being written.
+    ``tls``: (certificate, key) PEM files to answer HTTPS with."""
     import uvicorn
 
     guard = ReadGuard(read_timeout=read_timeout)
@@ -351,26 +376,29 @@ def server_config(app: FastAPI, host: str, port: int, *, read_timeout: float = R
                           http=guarded_protocol(guard), timeout_keep_alive=5,
                           timeout_graceful_shutdown=5,
                           limit_concurrency=MAX_READING + 2 * (queue.max_queue + queue.parallel)
-                          + 2 * _Live.MAX_VIEWERS + 32)
+                          + 2 * _Live.MAX_VIEWERS + 32,
+                          ssl_certfile=tls[0] if tls else None,
+                          ssl_keyfile=tls[1] if tls else None)
 
 
 def serve(ring: Ring, model_name: str, host: str = "127.0.0.1", port: int = 8080,
           max_queue: int = 16, aliases: Sequence[str] = (), api_key: str | None = None,
           allow_hosts: Sequence[str] = (), read_timeout: float = READ_TIMEOUT_S,
-          on_ready: Callable[[str], None] | None = None) -> None:
+          on_ready: Callable[[str], None] | None = None,
+          tls: tuple[str, str] | None = None) -> None:
     """Run the server until SIGINT or SIGTERM, then return (so the caller closes the ring).
 
     A signal first stops every generation at its next step, so in-flight answers end at
     once (each says it was cut off: streams with an error event, others 503) instead of
     holding the shutdown until they complete; uvicorn's graceful shutdown is bounded as a
-    backstop. ``on_ready(url)`` is called once the server listens."""
+    backstop. ``on_ready(url)`` is called once the server listens. ``tls``: (certificate,
+    key) files: HTTPS instead of plain HTTP."""
     import uvicorn
 
     app = create_app(ring, model_name, max_queue, aliases=aliases, api_key=api_key,
                      hosts=allowed_hosts(host, allow_hosts))
-    if not api_key and host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("serving on %s without --api-key: anyone who can reach this port can use "
-                    "the ring", host)
+    for warning in exposure_warnings(host, api_key, tls):
+        log.warning("%s", warning)
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
@@ -382,8 +410,8 @@ def serve(ring: Ring, model_name: str, host: str = "127.0.0.1", port: int = 8080
             if self.should_exit or not self.servers:
                 return
             bound = self.servers[0].sockets[0].getsockname()[1]
-            url = f"http://{_url_host(host)}:{bound}"
-            for line in ready_lines(ring, model_name, url, api_key):
+            url = f"{'https' if tls else 'http'}://{_url_host(host)}:{bound}"
+            for line in ready_lines(ring, model_name, url, api_key, tls[0] if tls else None):
                 print(line, flush=True)
             if on_ready is not None:
                 on_ready(url)
@@ -398,7 +426,7 @@ def serve(ring: Ring, model_name: str, host: str = "127.0.0.1", port: int = 8080
         for sig in (signal.SIGINT, signal.SIGTERM):
             saved[sig] = signal.signal(sig, lambda *_: None)
     try:
-        _Server(server_config(app, host, port, read_timeout=read_timeout)).run()
+        _Server(server_config(app, host, port, read_timeout=read_timeout, tls=tls)).run()
     finally:
         app.state.shutdown()
         # The generation threads stop at their next step; let them leave the ring before the

@@ -29,14 +29,18 @@ from edgespec.server.chat_input import (
 
 
 class _BadRequest(Exception):
-    """A client error, answered as OpenAI does (400, 404, 413)."""
+    """A request refused before it reaches the ring (400, 404, 413; 429 and 503 with their
+    ``kind``), answered in the shape of the door it came in by."""
 
     def __init__(self, message: str, param: str | None = None, code: str | None = None,
-                 status: int = 400) -> None:
+                 status: int = 400, kind: str = "invalid_request_error",
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.param = param
         self.code = code
         self.status = status
+        self.kind = kind
+        self.headers = headers
 
 # ------------------------------------------------------------------------- request models
 # Strict types: a number sent as a string, or true for 1, is a client bug worth reporting

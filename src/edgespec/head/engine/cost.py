@@ -37,7 +37,7 @@ class CostModel:
     #: (``bench/row_cost_curve.py``, docs/design.md 3.8). Budgets 4, 8, ... 64 made every
     #: lap one row past a block: in one A/B run sync at one client took 426 ms a lap with 15
     #: nodes against 497 with 16 and ran at 11.6 tok/s against 10.8
-    #: (``bench/results/concurrency_bench_tree_budgets.md``).
+    #: (docs/experiments.md 5).
     BUDGETS = (3, 7, 15, 31, 63)
 
     def __init__(self, lap_ms: tuple[float, float] = (60.0, 2.0), draft_ms_per_node: float = 0.05,

@@ -174,9 +174,11 @@ class GainMeter:
         tokens = sum(t for t, _ in self._tree)
         if tokens <= len(self._tree):  # one token per step: what a plain lap gives
             return False
-        # Alone, against plain laps taken alone (RingRates).
+        # Alone, against plain laps taken alone (RingRates). While others decode, a tree
+        # step's rows hold up every one of them, as the cost model charges a row (``rate``):
+        # its time counts ``sharers`` times.
         plain = self.plain_ms if sharers > 1 else self.rates.plain_ms_alone or self.plain_ms
-        if self._beats_plain(tokens, sum(s for _, s in self._tree), plain):
+        if self._beats_plain(tokens, sharers * sum(s for _, s in self._tree), plain):
             return True
         if sharers > 1:
             return False

@@ -11,7 +11,9 @@ Two measurements, one decision each:
 - *how big* a tree is comes from the cost model (``CostModel``: lap time per row and
   acceptance per sibling rank, fitted online): sync's budget is the one with the best
   predicted rate; flow sends ``FLOW_SEGMENT`` rows per segment and drafts ahead as far as the
-  measured acceptance makes worthwhile (``FlowMode.ahead_limit``).
+  measured acceptance makes worthwhile (``FlowMode.ahead_limit``);
+- flow decodes plain laps while as many requests decode as the ring has stages: they fill
+  the pipeline at one row a token already.
 
 A fixed ``budget`` (``EngineConfig.budget``) bypasses both: every step is a tree of that size.
 One ``CostModel`` and one ``RingRates`` per ring, shared by its slots; one policy per slot
@@ -72,7 +74,16 @@ class TreePolicy:
         if self.fixed_budget:
             n = self.fixed_segments or max(1, n_stages)
             return max(1, math.ceil(self.fixed_budget / n))
+        if self.pipeline_full(sharers, n_stages):
+            return 0
         return self.FLOW_SEGMENT if self.gain.want_tree(sharers) else 0
+
+    @staticmethod
+    def pipeline_full(sharers: int, n_stages: int) -> bool:
+        """As many requests decode as the ring has stages: plain laps keep every stage busy at
+        the fewest rows a token can cost, a tree's rows would delay the others, and every
+        request's drafts queue on the head's one draft model (docs/design.md 5.8)."""
+        return n_stages > 1 and sharers >= n_stages
 
     # ---------------------------------------------------------------- measurements
 

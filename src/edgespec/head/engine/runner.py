@@ -94,6 +94,8 @@ class SpecEngine:
         # Requests decoding on this ring at once, this one included (a slot pool sets it,
         # docs/design.md 5.8): the tree budget and prefill chunks are shared between them.
         self.sharers: Callable[[], int] = lambda: 1
+        # The drafter has not read this generation's text yet (``_generate``).
+        self._drafter_behind = False
 
     # ------------------------------------------------------------------ public
 
@@ -172,9 +174,13 @@ class SpecEngine:
         t0 = time.perf_counter()
         t_start = t0 if t_start is None else t_start
         drafter = self.drafter if mode != "none" else None
+        # Beside other requests the head's one draft model is theirs too, and on a full
+        # pipeline this one decodes plain laps (TreePolicy.pipeline_full): its drafter reads
+        # the text when it first drafts a tree (``new_tree``), not the prompt now.
+        self._drafter_behind = drafter is not None and self.sharers() > 1
 
         def begin_drafter() -> None:
-            if drafter is not None:
+            if drafter is not None and not self._drafter_behind:
                 td = time.perf_counter()
                 drafter.begin(prompt)
                 self.stats.draft_s += time.perf_counter() - td
@@ -186,7 +192,7 @@ class SpecEngine:
                                     while_waiting=begin_drafter)
         assert first is not None  # want_root: the prefill brought the first token
         self.stats.prefill_s = time.perf_counter() - t0
-        if drafter is not None:
+        if drafter is not None and not self._drafter_behind:
             td = time.perf_counter()
             drafter.accept([first])
             self.stats.draft_s += time.perf_counter() - td
@@ -382,7 +388,7 @@ class SpecEngine:
         self.scores.plain(res)
         if self.listeners:
             self.emit({"e": "plain", "lap": int(res.lap), "root": int(root), "token": token})
-        if tell_drafter and self.drafter is not None:
+        if tell_drafter and self.drafter is not None and not self._drafter_behind:
             td = time.perf_counter()
             self.drafter.accept([token])
             self.stats.draft_s += time.perf_counter() - td
@@ -413,6 +419,9 @@ class SpecEngine:
         assert self.drafter is not None
         tree = core.TokenTree(root, len(self.history), self.max_seqs)
         td = time.perf_counter()
+        if self._drafter_behind:  # it reads the whole text now (see ``_generate``)
+            self.drafter.begin([*self.history, root])
+            self._drafter_behind = False
         dt = self.drafter.propose(root, budget, self.max_depth)
         spent = time.perf_counter() - td
         self.stats.draft_s += spent
