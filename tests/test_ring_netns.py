@@ -152,12 +152,14 @@ def test_ring_over_mdns_across_namespaces(netns_ok, real_model_path, tmp_path: P
         print(status)
         rows = {}
         for line in status.splitlines():
-            m = re.match(r"(n[123])\s+(\S+)\s+(\S+)\s+([\d.]+)GB\s+([\d.]+)\s+(.+)$", line)
+            m = re.match(r"(n[123])\s+(\S+)\s+(\S+)\s+([\d.]+)GB\s+(.+?)\s+([\d.]+)\s+(\S.*)$",
+                         line)
             if m:
                 rows[m.group(1)] = m.groups()[1:]
         assert sorted(rows) == ["n1", "n2", "n3"], status
         for i, n in enumerate(("n1", "n2", "n3")):
-            addr, layers, ram, rtt, what = rows[n]
+            addr, layers, ram, device, rtt, what = rows[n]
+            assert device == "cpu", status
             assert addr == f"{hosts[n].address}:{PORT}", status
             assert layers == f"{windows[i][2]}:{windows[i][3]}", status
             assert float(ram) > 0 and float(rtt) > 0, status
