@@ -64,7 +64,9 @@ def test_ring_status_json_and_v1_ring_agree(tmp_path, monkeypatch):
     keep = ("stage", "layers", "node", "address", "alive", "backend")
     assert [{k: s[k] for k in keep} for s in status["stages"]] == \
         [{k: s[k] for k in keep} for s in served["stages"]]
-    assert [s["layers"] for s in served["stages"]] == [[0, 2], [2, 4]]
+    # Two windows covering the 4 layers (the planner gives the last fewer: it runs the head).
+    (a, b), (c, d) = [s["layers"] for s in served["stages"]]
+    assert a == 0 and b == c and d == 4 and b - a >= d - c, served["stages"]
     assert [s["address"] for s in served["stages"]] == [f"{h}:{p}" for h, p in nodes.addresses]
     keep = ("name", "address", "plan", "held", "state", "left", "holder", "node_id")
     assert [{k: n[k] for k in keep} for n in status["nodes"]] == \
