@@ -210,8 +210,10 @@ def test_eight_concurrent_requests_equal_each_served_alone(ring4, real_model_pat
 
 def test_slots_drafting_with_one_shared_draft_model_equal_alone(real_model_path):
     """The slots draft on their own sequences of one context of the draft model
-    (edgespec.drafters.draft_context): requests drafting at once still get their own trees."""
-    with Ring.local(real_model_path, stages=2, parallel=2, n_ctx=2048, draft=real_model_path,
+    (edgespec.drafters.draft_context): requests drafting at once still get their own trees.
+    Three stages for two requests: as many requests as stages would fill the pipeline, and
+    flow would decode plain laps (docs/design.md 5.8)."""
+    with Ring.local(real_model_path, stages=3, parallel=2, n_ctx=2048, draft=real_model_path,
                     draft_quant="none", spec="flow") as ring:
         contexts = {id(d._seqs.ctx) for d in ring._drafters}
         assert len(ring._drafters) == 2 and len(contexts) == 1
