@@ -1001,7 +1001,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             with tempfile.TemporaryDirectory(prefix="edgespec-lab-") as tmp, \
                     Testbed(Path(tmp), devices=stages, device_share=args.device_share,
-                            head_share=args.head_share, log=log) as tb:
+                            head_share=args.head_share) as tb:
                 settings["where"] = tb.describe()
                 settings["emulator"] = {}
                 settings["device_cpu"] = {}

@@ -18,7 +18,6 @@ Bandwidth is capped per connection (a Wi-Fi medium shared by every link is not m
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import subprocess
 import sys
@@ -81,12 +80,11 @@ class Testbed:
     """The lab for one benchmark run (see the module docstring)."""
 
     def __init__(self, workdir: Path, *, devices: int = 3, device_share: float | None = 0.3,
-                 head_share: float | None = 0.9, log=print) -> None:
+                 head_share: float | None = 0.9) -> None:
         self.workdir = workdir
         self.names = [f"n{i + 1}" for i in range(devices)]
         self.device_share = device_share
         self.head_share = head_share
-        self.log = log
         self.lab = homelab.HomeLab(self.names, workdir, head_share=head_share,
                                    plain=("wire",))
         self.key_file = workdir / "ring.key"
@@ -216,7 +214,3 @@ def proxy_from_map(mapping: dict[str, list]):
         return (str(via[0]), int(via[1])) if via else (str(addr[0]), int(addr[1]))
 
     return proxy
-
-
-def write_json(path: Path, obj: Any) -> None:
-    path.write_text(json.dumps(obj))
