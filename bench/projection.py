@@ -125,7 +125,7 @@ DEVICES: dict[str, dict[str, Any]] = {
     "4 x Jetson Orin Nano 8 GB": {
         "count": 4, "mem_gb": 8, "tg_tok_s": 32.1, "model_gb": 1.12, "flat_rows": 16,
         "source": "llama.cpp CUDA, Qwen2.5-Coder-1.5B Q4_K_M, 32.1 tok/s at concurrency 1 "
-                  "(github.com/paiml/realizar issue 120, 2026-03)"},
+                  "(github.com/paiml/realizar/issues/120, 2026-03)"},
     "4 x Raspberry Pi 5 8 GB": {
         "count": 4, "mem_gb": 8, "tg_tok_s": 2.57, "model_gb": 3.825,
         "source": "llama-bench tg128, Amber 7B (llama architecture) Q4_0_4_4, 3.825 GB, "
@@ -134,11 +134,11 @@ DEVICES: dict[str, dict[str, Any]] = {
     "3 x N100 mini PC 16 GB": {
         "count": 3, "mem_gb": 16, "tg_tok_s": 3.01, "model_gb": 4.92,
         "source": "llama-bench tg128, Llama 3.1 8B Q4_K_M (4.92 GB): 3.01 tok/s "
-                  "(github.com/brand-o/normiebench issue 38, an N100 with 16 GB, 2026-03)"},
+                  "(github.com/brand-o/normiebench/issues/38, an N100 with 16 GB, 2026-03)"},
     "2 x Ryzen 7 8840U laptop 32 GB": {
         "count": 2, "mem_gb": 30, "tg_tok_s": 9.63, "model_gb": 4.92,
         "source": "llama-bench tg128 on the CPU, Llama 3.1 8B Q4_K_M (4.92 GB): 9.63 tok/s "
-                  "(github.com/brand-o/normiebench issue 8, 2026-03)"},
+                  "(github.com/brand-o/normiebench/issues/8, 2026-03)"},
 }
 
 #: Q4_K_M GGUF file sizes in GB (as published with the models' GGUF releases).
