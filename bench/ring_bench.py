@@ -565,7 +565,7 @@ def aggregate(runs: list[dict[str, Any]], host: dict[str, Any]) -> list[dict[str
                   if k[:4] == (r["mode"], r["drafter"], str(r["budget"]), r["link"])
                   and rate.get(("none", "-", "-", r["link"], k[4]))]
         if ratios:
-            r["x_none_range"] = [round(min(ratios), 2), round(max(ratios), 2)]
+            r["x_none_range"] = [round(min(ratios), 3), round(max(ratios), 3)]
     # Several clients: the spread over reps (each rep ran every mode once).
     batch: dict[tuple, list[float]] = {}
     for g in runs:
@@ -579,7 +579,7 @@ def aggregate(runs: list[dict[str, Any]], host: dict[str, Any]) -> list[dict[str
                   for k, (t, w) in batch.items()
                   if k[:3] == (r["mode"], r["link"], r["clients"]) and ("none", *k[1:]) in batch]
         if len(ratios) > 1:
-            r["x_none_range"] = [round(min(ratios), 2), round(max(ratios), 2)]
+            r["x_none_range"] = [round(min(ratios), 3), round(max(ratios), 3)]
     order = {"single": 0, "none": 1, "sync": 2, "flow": 3, "auto": 4}
     rows.sort(key=lambda r: (link_spec(r["link"]).delay_ms if r["link"] != "-" else -1,
                              r["link"], r["clients"], order.get(r["mode"], 9), r["drafter"],
