@@ -30,8 +30,8 @@ Three parts (``--parts``, default all):
   (``mask_single``), whether it is the first of the matcher's fast-forward tokens
   (``ff_first``: what jump-forward drafts), and whether all its bytes were forced
   (``bytes_forced``: the grammar left no choice of text, only perhaps of tokenization).
-- ``micro``: the last stage's per-row cost of a grammar: ``edgespec.node.worker.draw`` (greedy)
-  with the grammar (``RowConstraints`` masks each row along its own path) and without, on
+- ``micro``: the last stage's per-row cost of a grammar: ``RequestSampler.draw`` (greedy)
+  with the grammar (the chain masks each row along its own path) and without, on
   random float32 logits of [rows, n_vocab], for 1 row (a plain lap) and trees of 16 and 64
   rows, rooted at successive places of a real constrained answer (the ring part's, else a
   fixed one). A tree is grown best-first like the draft model's (4 children a node: the
@@ -520,11 +520,6 @@ def run_forced(vocab: Any, runs: list[dict[str, Any]], prompts: list[dict[str, A
 
 # --------------------------------------------------------------------------- part: micro
 
-class _Window:  # what RowConstraints reads of a last window
-    def __init__(self, model: Any) -> None:
-        self.model = model
-
-
 def grow_tree(follower: Any, n_vocab: int, text: list[int], truth: list[int], rows: int,
               rng: Any, width: int = 4, max_depth: int = 8) -> tuple[list[int], list[int]]:
     """(parents, tokens) of a tree of ``rows`` nodes, node 0 the root (``text``'s last
@@ -575,16 +570,16 @@ def run_micro(vocab: Any, answer: list[int], grammar_text: str, sizes: list[int]
               places: int, reps: int, log) -> dict[str, Any]:
     import numpy as np
 
-    from edgespec.batch import Sampling
+    from edgespec.batch import SamplerRef
     from edgespec.grammar import Follower, vocab_tokenizer
-    from edgespec.node.constraints import RowConstraints
-    from edgespec.node.worker import draw
+    from edgespec.node.sampler import RequestSampler
+    from edgespec.sampling import SamplerSettings
 
     n_vocab = vocab.n_vocab
     rng = np.random.default_rng(0)
     helper = Follower(vocab_tokenizer(vocab), grammar_text)
-    base = Sampling(grammar=grammar_text)
-    free = Sampling()
+    settings = SamplerSettings(grammar=grammar_text)
+    free = RequestSampler(SamplerSettings())
     out: dict[str, Any] = {"answer_tokens": len(answer), "n_vocab": n_vocab, "sizes": []}
     for rows in sizes:
         # Places along the answer: the root is the answer's token k - 1; step so that the
@@ -599,32 +594,35 @@ def run_micro(vocab: Any, answer: list[int], grammar_text: str, sizes: list[int]
             else:
                 parents, tokens = grow_tree(helper, n_vocab, text, answer[k:], rows, rng)
             # The root's token is the text's last: the tree's paths start below it.
-            s = base.for_rows(text, parents, tokens)
+            ref = SamplerRef(1, None, len(text), (), (tuple(parents), tuple(tokens)))
             nodes = np.arange(len(tokens), dtype=np.int32)
-            cases.append((s, nodes, len(tokens)))
+            cases.append((ref, text, nodes, len(tokens)))
         logits = (rng.standard_normal((rows, n_vocab), dtype=np.float32) * 3).astype(np.float32)
-        constraints = RowConstraints(_Window(vocab))
+        # The last stage's sampler of one request, its matcher following the answer.
+        sampler = RequestSampler(settings, Follower(vocab_tokenizer(vocab), grammar_text))
         t_con: list[float] = []
         t_free: list[float] = []
         t_apply: list[float] = []
         t_mask: list[float] = []
         real_rows = []
         for rep in range(reps + 1):  # rep 0 warms up (compiles the grammar, pages in)
-            for s, nodes, n in cases:
+            for ref, text, nodes, n in cases:
+                sampler.text = list(text)
                 lg = logits[:n]
                 pos = np.arange(n, dtype=np.int32)
                 t = time.perf_counter()
-                draw(lg, pos, s, nodes, constraints)
+                sampler.draw(lg, pos, nodes, ref)
                 a = time.perf_counter() - t
                 t = time.perf_counter()
-                draw(lg, pos, free)
+                free.draw(lg, pos, nodes, SamplerRef())
                 b = time.perf_counter() - t
+                paths = ref.paths(text, nodes.tolist())
                 t = time.perf_counter()
-                constraints.apply(lg, nodes, s)
+                sampler.shape(lg, paths, len(text))
                 c = time.perf_counter() - t
                 buf = np.array(lg, dtype=np.float32, copy=True)
                 t = time.perf_counter()
-                constraints._mask(buf, s.paths(nodes.tolist()), grammar_text, len(s.text))  # noqa: SLF001
+                sampler._mask(buf, paths, len(text))  # noqa: SLF001
                 d = time.perf_counter() - t
                 if rep:
                     t_con.append(a / n)
@@ -707,7 +705,7 @@ def markdown(result: dict[str, Any]) -> str:
         lines += ["", f"Last stage, per row (`draw`, greedy; n_vocab {m['n_vocab']}; median "
                       f"over {m['sizes'][0]['calls'] if m['sizes'] else 0} calls):", "",
                   "| rows | constrained us/row | unconstrained us/row | added us/row | "
-                  "RowConstraints.apply us/row | of which matcher + mask us/row | "
+                  "bias + penalties + mask (shape) us/row | of which matcher + mask us/row | "
                   "constrained p90 |", "|---|---|---|---|---|---|---|"]
         for r in m["sizes"]:
             lines.append(f"| {r['rows']} | {r['us_per_row_constrained']} | "

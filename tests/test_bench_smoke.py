@@ -211,3 +211,9 @@ def test_home_lab(tiny, tmp_path) -> None:
     for m in pve["summary"]:
         assert m["tokens_each"] == 8 and m["same_tokens"] == "1/1", m
         assert m["planned_tok_s"] > 0 and m["even_tok_s"] > 0
+
+
+def test_sampling_bytes(tiny) -> None:
+    out = last_json(bench(tiny, "sampling_bytes"))
+    assert out["tokens"] >= 30 and set(out["bytes_per_lap"]) == {"5", "25"}
+    assert all(v > 0 for v in out["bytes_per_lap"].values()) and out["late_over_early"] > 0

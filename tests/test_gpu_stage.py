@@ -173,24 +173,27 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"},
 
 def test_the_grammar_mask_on_an_offloaded_last_window(gpu_split, real_model_path) -> None:
     """Greedy decoding under a JSON schema, the mask built from the offloaded last window's
-    vocabulary (``RowConstraints``): the text is valid against the schema."""
-    from edgespec.grammar import Grammar
-    from edgespec.node.constraints import RowConstraints
+    vocabulary (the last stage's sampler chain): the text is valid against the schema."""
+    from edgespec.batch import SamplerRef
+    from edgespec.grammar import Grammar, vocab_tokenizer
+    from edgespec.node.sampler import SamplerStates
     from edgespec.params import GenerationParams
 
     last = gpu_split.windows[-1]
     with load_model(real_model_path, vocab_only=True) as m:
         tok = Tokenizer(m)
         prompt = tok.encode("Is 7 prime? Answer in JSON with fields ok and n:\n")
-        sampling = GenerationParams(grammar=Grammar.json_schema(SCHEMA)).sampling
-        constraints = RowConstraints(last)
+        settings = GenerationParams(grammar=Grammar.json_schema(SCHEMA)).sampling
+        states = SamplerStates(lambda: vocab_tokenizer(last.model))
+        states.sampler(SamplerRef(1, settings))
         gpu_split.reset()
         logits = gpu_split.prefill(prompt)
         out: list[int] = []
-        for _ in range(40):
-            masked = constraints.apply(logits[None, :], np.zeros(1, np.int32),
-                                       sampling.for_rows(out))
-            t = int(np.argmax(masked[0]))
+        for i in range(40):
+            ref = SamplerRef(1, None, len(out), tuple(out[-1:]))
+            sampler = states.sampler(ref)
+            t = int(sampler.draw(logits[None, :], np.array([i], np.int32),
+                                 np.zeros(1, np.int32), ref)[0][0])
             if tok.is_eog(t):
                 break
             out.append(t)

@@ -1,7 +1,8 @@
 """Constrained output and penalties below the ring: a ``Grammar`` refuses what cannot compile
-naming the field it came from; the last stage's ``RowConstraints`` gives each tree row the
-mask and penalties of its own path, exactly as a plain row with that text would get them; the
-batch's context survives the wire and a hostile one is refused; the head's
+naming the field it came from; the last stage's sampler chain gives each tree row the
+mask and penalties of its own path, exactly as a plain row with that text would get them; a
+batch's ``SamplerRef`` (registration, text added, tree) survives the wire and a hostile one is
+refused; the head's
 ``ConstrainedDrafter`` drafts forced tokens first and never a token the grammar refuses.
 Real vocabulary (the 0.5B's, loaded vocabulary-only), synthetic logits."""
 
@@ -12,14 +13,14 @@ import json
 import numpy as np
 import pytest
 
-from edgespec.batch import Sampling
+from edgespec.batch import SamplerRef
 from edgespec.drafters import RetrievalDrafter
 from edgespec.drafters.constrained import ConstrainedDrafter
 from edgespec.errors import RequestError
 from edgespec.grammar import Follower, Grammar, vocab_tokenizer
-from edgespec.node.constraints import RowConstraints, penalize
-from edgespec.node.worker import draw
+from edgespec.node.sampler import SamplerStates, penalize
 from edgespec.params import GenerationParams
+from edgespec.sampling import SamplerSettings
 
 pytestmark = pytest.mark.real_model
 
@@ -44,9 +45,14 @@ def tok(vocab):
     return Tokenizer(vocab)
 
 
-class _Window:  # what RowConstraints reads of a last window
-    def __init__(self, model) -> None:
-        self.model = model
+def _draw(vocab, settings: SamplerSettings, logits, text, tree=((), ()), nodes=None):
+    """The targets a last stage draws for ``logits`` (rows of tree ``nodes``, positions
+    0..k-1) of a request with ``settings`` whose generated text so far is ``text``."""
+    states = SamplerStates(lambda: vocab_tokenizer(vocab))
+    nodes = np.zeros(len(logits), np.int32) if nodes is None else nodes
+    ref = SamplerRef(1, settings, len(text), tuple(text), tree)
+    sampler = states.sampler(ref)
+    return sampler.draw(logits, np.arange(len(logits), dtype=np.int32), nodes, ref)[0]
 
 
 @pytest.mark.parametrize(("make", "param"), [
@@ -80,25 +86,36 @@ def test_response_format_maps_to_a_grammar():
     assert p.sampling.follows_text and not GenerationParams().sampling.follows_text
 
 
-def test_sampling_context_survives_meta_and_a_hostile_one_is_refused():
-    s = GenerationParams(grammar=Grammar.regex("[0-9]+"), frequency_penalty=0.5,
-                         repeat_penalty=1.1).sampling.for_rows([5, 6], [-1, 0, 1], [6, 7, 8])
-    back = Sampling.from_meta(json.loads(json.dumps(s.as_meta())))
-    assert back == s and back.paths([0, 2, 1, 40]) == [[5, 6], [5, 6, 7, 8], [5, 6, 7], [5, 6]]
-    for bad in ({"grammar": 5}, {"penalties": [0, 0, 0]}, {"penalties": [3, 0, 1]},
-                {"text": [-1]}, {"text": "abc"}, {"tree": [[0], [1]]},
+def test_sampler_ref_survives_meta_and_a_hostile_one_is_refused():
+    settings = GenerationParams(grammar=Grammar.regex("[0-9]+"), frequency_penalty=0.5,
+                                repeat_penalty=1.1, min_p=0.05).sampling
+    ref = SamplerRef(7, settings, 2, (5, 6), ((-1, 0, 1), (6, 7, 8)))
+    back = SamplerRef.from_meta(json.loads(json.dumps(ref.as_meta())))
+    assert back == ref and back.paths([5, 6], [0, 2, 1, 40]) == [
+        [5, 6], [5, 6, 7, 8], [5, 6, 7], [5, 6]]
+    assert SamplerRef.from_meta({}) == SamplerRef()  # key 0: the plain greedy draw
+    for bad in ({"register": {"grammar": 5}}, {"register": {"repeat_penalty": 0}},
+                {"register": {"frequency_penalty": 3}}, {"register": {"min_p": 2}},
+                {"register": {"nope": 1}}, {"added": [-1]}, {"added": "abc"},
+                {"n": 1, "added": [1, 2]}, {"key": -1}, {"key": 0}, {"tree": [[0], [1]]},
                 {"tree": [[-1, 5], [1, 2]]}, {"tree": [[-1], [1, 2]]}):
         with pytest.raises(ValueError):
-            Sampling.from_meta({**s.as_meta(), **bad})
+            SamplerRef.from_meta({**ref.as_meta(), **bad})
 
 
 def test_penalties_match_their_definitions():
-    row = np.array([2.0, -2.0, 1.0, 0.5], np.float32)
-    penalize(row, [0, 0, 1], (0.25, 0.5, 1.0))
-    assert row.tolist() == [2.0 - 0.5 - 0.5, -2.0 - 0.25 - 0.5, 1.0, 0.5]
-    row = np.array([2.0, -2.0, 1.0, 0.5], np.float32)
-    penalize(row, [0, 1], (0.0, 0.0, 2.0))  # repetition: positive divided, negative times
-    assert row.tolist() == [1.0, -4.0, 1.0, 0.5]
+    def penalized(text, **fields):
+        row = np.array([2.0, -2.0, 1.0, 0.5], np.float32)
+        penalize(row, text, SamplerSettings(tuple(fields.items())))
+        return row.tolist()
+
+    assert penalized([0, 0, 1], frequency_penalty=0.25, presence_penalty=0.5) == [
+        2.0 - 0.5 - 0.5, -2.0 - 0.25 - 0.5, 1.0, 0.5]
+    # repetition: positive divided, negative times
+    assert penalized([0, 1], repeat_penalty=2.0) == [1.0, -4.0, 1.0, 0.5]
+    # only the last repeat_last_n tokens count; -1: all of them
+    assert penalized([0, 0, 1], frequency_penalty=1.0, repeat_last_n=2) == [1.0, -3.0, 1.0, 0.5]
+    assert penalized([0, 0, 1], frequency_penalty=1.0, repeat_last_n=-1) == [0.0, -3.0, 1.0, 0.5]
 
 
 def test_each_tree_row_gets_the_mask_and_penalties_of_its_own_path(vocab, tok):
@@ -111,24 +128,23 @@ def test_each_tree_row_gets_the_mask_and_penalties_of_its_own_path(vocab, tok):
     # root (text's last token), then two branches: [a] and [b, ", "] (b closes the string)
     comma = tok.encode(', "', add_special=False)[0]
     parents, tokens = [-1, 0, 0, 2], [text[-1], a, b, comma]
-    params = GenerationParams(grammar=grammar, frequency_penalty=0.7, repeat_penalty=1.2)
-    tree = params.sampling.for_rows(text, parents, tokens)
+    settings = GenerationParams(grammar=grammar, frequency_penalty=0.7,
+                                repeat_penalty=1.2).sampling
+    tree = (tuple(parents), tuple(tokens))
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(4, vocab.n_vocab)).astype(np.float32) * 3
-    window = _Window(vocab)
     nodes = np.arange(4, dtype=np.int32)
-    got, _ = draw(logits, np.arange(4, dtype=np.int32), tree, nodes, RowConstraints(window))
+    got = _draw(vocab, settings, logits, text, tree, nodes)
     follower = Follower(vocab_tokenizer(vocab), grammar.text)
-    for i, path in enumerate(tree.paths(nodes.tolist())):
-        alone = params.sampling.for_rows(path)
-        want, _ = draw(logits[i:i + 1], np.array([i], np.int32), alone, np.zeros(1, np.int32),
-                       RowConstraints(window))
+    paths = SamplerRef(tree=tree).paths(text, nodes.tolist())
+    for i, path in enumerate(paths):
+        want = _draw(vocab, settings, logits[i:i + 1], path)
         assert got[i] == want[0], i
         assert follower.move([*path, int(got[i])]) == len(path) + 1, (i, tok.decode(path))
     # unconstrained, the same logits draw tokens the grammar refuses
-    free = draw(logits, np.arange(4, dtype=np.int32), Sampling(), nodes)[0]
+    free = _draw(vocab, SamplerSettings(), logits, text, tree, nodes)
     assert not all(follower.move([*p, int(t)]) == len(p) + 1
-                   for p, t in zip(tree.paths(nodes.tolist()), free, strict=True))
+                   for p, t in zip(paths, free, strict=True))
 
 
 def test_the_drafter_drafts_forced_tokens_first_and_only_what_the_grammar_allows(vocab, tok):
@@ -184,11 +200,11 @@ def test_a_generated_text_the_grammar_cannot_follow_fails_the_batch(vocab, tok):
     """The generated text was drawn under the mask, so a grammar that cannot follow it is a
     fault (one of llguidance's limits): the stage refuses the batch instead of answering
     unconstrained. A drafted row outside the grammar is no fault (it is never accepted)."""
-    params = GenerationParams(grammar=Grammar.regex("[0-9]+"))
+    settings = GenerationParams(grammar=Grammar.regex("[0-9]+")).sampling
     digits, word = tok.encode("12", add_special=False), tok.encode("cat", add_special=False)
-    window = RowConstraints(_Window(vocab))
     logits = np.zeros((2, vocab.n_vocab), np.float32)
-    fine = params.sampling.for_rows(digits, [-1, 0], [digits[-1], word[0]])
-    window.apply(logits, np.arange(2, dtype=np.int32), fine)  # the draft row: unmasked
+    # the draft row (node 1, the word) is unmasked: no fault
+    _draw(vocab, settings, logits, digits, ((-1, 0), (digits[-1], word[0])),
+          np.arange(2, dtype=np.int32))
     with pytest.raises(ValueError, match="cannot follow the generated text"):
-        window.apply(logits[:1], np.zeros(1, np.int32), params.sampling.for_rows(word))
+        _draw(vocab, settings, logits[:1], word)

@@ -20,11 +20,12 @@ import numpy as np
 import pytest
 from tinygguf import make_tiny_gguf
 
-from edgespec.batch import Batch, Sampling, SeqIds
+from edgespec.batch import Batch, SamplerRef, SeqIds
 from edgespec.node.datapath import HostedStage, StageLoop
 from edgespec.node.merge import MergeFence, concat_batches, gather
 from edgespec.node.runtime import StageRuntime
 from edgespec.node.worker import StageWorker
+from edgespec.sampling import SamplerSettings
 from edgespec.tree.kvop import KvOp, KvOpCode
 from edgespec.wire import Kind
 from edgespec.wire.frames import message_result
@@ -60,12 +61,12 @@ def reset(*rts) -> None:
 
 
 def prefill(seq: int, tokens, lap: int, start: int = 0, want_last: bool = True,
-            sampling: Sampling | None = None) -> Batch:
+            sampling: SamplerRef | None = None) -> Batch:
     n = len(tokens)
     want = np.zeros(n, bool)
     want[-1] = want_last
     return Batch(np.asarray(tokens, np.int32), np.arange(start, start + n), SeqIds.single(n, seq),
-                 np.arange(n) + 1000 * lap, want, lap=lap, sampling=sampling or Sampling(),
+                 np.arange(n) + 1000 * lap, want, lap=lap, sampling=sampling or SamplerRef(),
                  timing=[[0, 0.0, 0.0, 0.0, 0.0]])
 
 
@@ -106,7 +107,11 @@ def test_worker_merged_equals_one_by_one(windows) -> None:
     ps = prompts(4, rt0.n_vocab)
     first = StageWorker([rt0], is_last=False)
     last = StageWorker([rt1], is_last=True)
-    samplings = [Sampling(), Sampling(0.8, 20, 0.9, seed=11), Sampling(), Sampling(1.0, seed=5)]
+    def sampled(key, **fields):
+        return SamplerRef(key, SamplerSettings(tuple(fields.items())))
+
+    samplings = [SamplerRef(), sampled(2, temperature=0.8, top_k=20, top_p=0.9, seed=11),
+                 SamplerRef(), sampled(4, temperature=1.0, seed=5)]
 
     def batches():
         return [prefill(s + 1, p, lap=s + 1, sampling=samplings[s]) for s, p in enumerate(ps)]
@@ -171,17 +176,17 @@ def test_worker_merged_failure_fails_only_its_batch(windows) -> None:
 
 
 def test_worker_merged_refused_sampling_fails_only_its_batch(windows) -> None:
-    """On the last stage a batch whose targets cannot be drawn (its sampling refused) fails
+    """On the last stage a batch whose targets cannot be drawn (its sampler unknown) fails
     after the merged decode wrote every batch's KV: it fails alone, and the others are
     neither failed nor decoded a second time."""
     _, whole = windows
     reset(whole)
     last = StageWorker([whole], is_last=True)
     good = prefill(1, [5, 6, 7], lap=1)
-    bad = prefill(2, [8, 9], lap=2, sampling=Sampling(temperature=1.0, top_p=-1.0))
+    bad = prefill(2, [8, 9], lap=2, sampling=SamplerRef(99))  # never registered
     also = prefill(3, [10, 11], lap=3)
     outs = last.run_many([(good, None), (bad, None), (also, None)])
-    assert isinstance(outs[1], Exception) and "top_p" in str(outs[1])
+    assert isinstance(outs[1], Exception) and "no sampler registered" in str(outs[1])
     assert len(outs[0][1]) == 1 and len(outs[2][1]) == 1
     # Each sequence holds its rows once: the next position continues it.
     last.run(prefill(1, [4], lap=4, start=3), None)

@@ -10,7 +10,7 @@ import pytest
 from tinygguf import make_tiny_gguf
 
 from edgespec.api import Ring
-from edgespec.batch import Sampling
+from edgespec.batch import SamplerRef
 from edgespec.errors import RequestError
 from edgespec.params import GenerationParams
 
@@ -63,26 +63,34 @@ def test_the_ring_fits_max_tokens_and_refuses_what_it_cannot_run(tmp_path):
         assert gen.finish_reason == "length"
 
 
-def test_logit_bias_travels_in_the_sampling_and_shifts_the_draw():
-    """The bias rides in a batch's META to the last stage, which adds it to every row's logits
-    before the argmax or the seeded draw; a stage refuses a META whose bias is malformed."""
-    from edgespec.node.worker import pick_targets
+def _pick(logits, pos, settings):
+    from edgespec.node.sampler import RequestSampler
+
+    return RequestSampler(settings).draw(logits, pos, np.zeros(len(pos), np.int32),
+                                         SamplerRef())[0]
+
+
+def test_logit_bias_travels_in_the_registration_and_shifts_the_draw():
+    """The bias is registered with the request's sampler at the last stage, which adds it to
+    every row's logits before the argmax or the seeded draw; a stage refuses a registration
+    whose bias is malformed."""
+    from edgespec.sampling import SamplerSettings
 
     params = GenerationParams(logit_bias={"2": 100, 0: -100.0})
     assert params.logit_bias == ((0, -100.0), (2, 100.0))
     sampling = params.sampling
-    assert Sampling.from_meta(sampling.as_meta()) == sampling
-    assert "logit_bias" not in GenerationParams().sampling.as_meta()  # nothing when unused
+    assert SamplerSettings.from_meta(sampling.as_meta()) == sampling
+    assert GenerationParams().sampling.as_meta() == {}  # nothing when unused
     logits = np.array([[5.0, 1.0, 0.0, 2.0], [0.0, 9.0, 1.0, 0.0]], np.float32)
     pos = np.array([3, 4], np.int32)
-    assert pick_targets(logits, pos, GenerationParams().sampling).tolist() == [0, 1]
-    assert pick_targets(logits, pos, sampling).tolist() == [2, 2]
+    assert _pick(logits, pos, GenerationParams().sampling).tolist() == [0, 1]
+    assert _pick(logits, pos, sampling).tolist() == [2, 2]
     assert logits[0, 0] == 5.0  # the stage's logits are not changed in place
-    drawn = pick_targets(logits, pos, GenerationParams(temperature=1.0, seed=3,
-                                                       logit_bias={1: -100}).sampling)
+    drawn = _pick(logits, pos, GenerationParams(temperature=1.0, seed=3,
+                                                logit_bias={1: -100}).sampling)
     assert 1 not in drawn.tolist()
     with pytest.raises(ValueError, match="outside the vocabulary of 4 tokens"):
-        pick_targets(logits, pos, GenerationParams(logit_bias={9: 1}).sampling)
-    for bad in ([[1, 101]], [[-1, 2]], [["1", 2]], [[1]], "x", [[1, 2]] * 301):
+        _pick(logits, pos, GenerationParams(logit_bias={9: 1}).sampling)
+    for bad in ([[1, 101]], [[-1, 2]], [["x", 2]], [[1]], "x", [[t, 2] for t in range(301)]):
         with pytest.raises(ValueError):
-            Sampling.from_meta({"logit_bias": bad})
+            SamplerSettings.from_meta({"logit_bias": bad})

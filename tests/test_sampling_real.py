@@ -4,8 +4,9 @@ On the real Qwen2.5-Coder-0.5B (Q5_0/Q8_0) a tree lap computes the root's logits
 batch than a plain lap, and llama.cpp's quantized CPU kernels round by batch shape, so the
 same seed can draw another token where its uniform falls near a boundary of the cumulative
 distribution: seeded generations may part between modes. What must hold is the distribution:
-the first sampled token, over many seeds, follows the model's own (temperature, top-p)
-distribution in every mode (chi-square against the unsplit model's softmax), and the modes
+the first sampled token, over many seeds, follows the model's own distribution under the
+whole sampler chain (top-k, top-p, min-p, temperature; penalties) in every mode
+(chi-square against llama.cpp's own samplers on the unsplit model's logits), and the modes
 agree with each other.
 """
 
@@ -21,32 +22,25 @@ from edgespec.params import GenerationParams
 pytestmark = pytest.mark.real_model
 
 DRAWS = 300
-TEMPERATURE, TOP_P = 0.8, 0.95
+#: The sampler chain the draws use: every truncating stage on (llama.cpp's order).
+CHAIN = {"temperature": 0.8, "top_k": 50, "top_p": 0.95, "min_p": 0.01}
 PROMPT = "# Python\n# A list of common variable names:\nnames = ["
 
 
 def _target_distribution(model_path, prompt: list[int], generated: list[int] = (),
-                         penalties: tuple[float, float, float] = (0.0, 0.0, 1.0)) -> np.ndarray:
-    """The unsplit model's next-token distribution after ``prompt`` and ``generated`` as the
-    sampler defines it (llama.cpp's order): the penalties of the generated text, then the
-    nucleus taken on the probabilities (the most likely tokens until their mass reaches
-    top_p), then temperature reshapes it."""
-    from edgespec.node.constraints import penalize
+                         penalties: dict | None = None) -> np.ndarray:
+    """The unsplit model's next-token distribution after ``prompt`` and ``generated`` as
+    llama.cpp's own sampler chain defines it (``llama_sampler_ref``): the penalties of the
+    generated text, then ``CHAIN``'s stages."""
+    from llama_sampler_ref import llama_cpp_probs
+
     from edgespec.node.runtime import StageRuntime
 
     text = [*prompt, *generated]
     with StageRuntime(model_path, n_ctx=512, n_threads=1) as rt:
         rt.forward(np.asarray(text[:-1], np.int32), 0)
         logits = rt.forward(np.asarray(text[-1:], np.int32), len(text) - 1)[-1].copy()
-    penalize(logits, list(generated), penalties)
-    z = logits.astype(np.float64)
-    p = np.exp(z - z.max())
-    p /= p.sum()
-    order = np.argsort(-p)
-    nucleus = order[: np.searchsorted(np.cumsum(p[order]), TOP_P) + 1]
-    q = np.zeros_like(p)
-    q[nucleus] = np.exp((z[nucleus] - z.max()) / TEMPERATURE)
-    return q / q.sum()
+    return llama_cpp_probs(logits, window=list(generated), **CHAIN, **(penalties or {}))
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +59,8 @@ def first_tokens(ring):
         out = np.zeros(DRAWS, np.int64)
         for seed in range(DRAWS):
             # The engine itself: the API would hide an end-of-generation token.
-            run = ring.engine.run(prompt, GenerationParams(
-                max_tokens=1, temperature=TEMPERATURE, top_p=TOP_P, seed=seed), mode)
+            run = ring.engine.run(prompt, GenerationParams(max_tokens=1, seed=seed, **CHAIN),
+                                  mode)
             out[seed] = next(run)[0]
             run.close()
         draws[mode] = out
@@ -87,7 +81,7 @@ def test_first_token_follows_the_unsplit_models_distribution(first_tokens, real_
     prompt, draws = first_tokens
     p = _target_distribution(real_model_path, prompt)
     counts = np.bincount(draws[mode], minlength=len(p)).astype(float)
-    assert counts[p == 0].sum() == 0, "a token outside the nucleus was drawn"
+    assert counts[p == 0].sum() == 0, "a token outside what the chain keeps was drawn"
     obs, exp = _pooled(counts, p * DRAWS)
     assert len(obs) >= 4, "the prompt must leave several likely tokens to compare"
     assert stats.chisquare(obs, exp).pvalue > 1e-3
@@ -106,7 +100,7 @@ def test_modes_draw_from_the_same_distribution(first_tokens):
     assert same > 0.8, same
 
 
-PENALTIES = (1.0, 0.5, 1.5)  # frequency, presence, repetition
+PENALTIES = {"frequency_penalty": 1.0, "presence_penalty": 0.5, "repeat_penalty": 1.5}
 
 
 @pytest.fixture(scope="module")
@@ -116,13 +110,11 @@ def penalised_tokens(ring):
     second (its penalties from the row's path)."""
     prompt = ring.tokenizer.encode(PROMPT, add_special=True, parse_special=False)
     draws: dict[str, np.ndarray] = {}
-    freq, pres, rep = PENALTIES
     for mode in ("none", "sync", "flow"):
         out = np.zeros((DRAWS, 3), np.int64)
         for seed in range(DRAWS):
             run = ring.engine.run(prompt, GenerationParams(
-                max_tokens=3, temperature=TEMPERATURE, top_p=TOP_P, seed=seed,
-                frequency_penalty=freq, presence_penalty=pres, repeat_penalty=rep), mode)
+                max_tokens=3, seed=seed, **CHAIN, **PENALTIES), mode)
             got = [t for chunk in run for t in chunk][:3]
             run.close()
             out[seed] = got

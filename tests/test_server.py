@@ -174,6 +174,32 @@ def test_unimplemented_fields_are_refused_naming_them(body, chats, param, name):
             assert f"{name} is not supported by this server" in str(err.value)
 
 
+def test_every_sampler_field_reaches_the_params_and_a_bad_value_names_it():
+    """Each field of the sampler table (``edgespec.sampling.FIELDS``) is honoured by the
+    OpenAI body and by Ollama's options of the same name; a value outside its bounds is a
+    400 naming it, in the table's words."""
+    from edgespec.sampling import FIELDS
+    from edgespec.server.ollama import _options
+    from edgespec.server.requests import _BadRequest, generation_params, parse_request
+
+    for k in FIELDS:
+        good = k.kind(k.high if k.high < 1 << 20 else k.low + 3)
+        if good == k.default:
+            good = k.kind((k.low + k.high) / 2)
+        for chat, base in _bases(_BOTH):
+            params = generation_params(parse_request({**base, k.name: good}, chat), 16)
+            assert getattr(params, k.name) == (good % (1 << 64) if k.name == "seed" else good)
+        assert _options({k.name: good}) == {k.name: good}
+        bad = k.low - 1 if k.low > -(1 << 62) else None
+        if bad is None:
+            continue
+        for chat, base in _bases(_BOTH):
+            with pytest.raises(_BadRequest) as err:
+                parse_request({**base, k.name: k.kind(bad)}, chat)
+            assert err.value.status == 400 and err.value.param == k.name
+            assert str(err.value) == f"'{k.name}' must be {k.rule()}"
+
+
 @pytest.mark.parametrize("bias, says", [
     ({"abc": 5}, "'abc' is not a token id"), ({"-3": 5}, "'-3' is not a token id"),
     ({"7": 101}, "logit_bias[7] must be in [-100, 100]"),
@@ -223,7 +249,7 @@ def test_neutral_values_of_unimplemented_fields_are_accepted(body, chats):
 
 
 @pytest.mark.parametrize("body, chats, param, name", [
-    ({"min_p": 0.05}, _BOTH, "min_p", "'min_p'"),  # llama-server's, not OpenAI's
+    ({"dry_multiplier": 0.8}, _BOTH, "dry_multiplier", "'dry_multiplier'"),  # llama-server's
     ({"cache_prompt": True}, _BOTH, "cache_prompt", "'cache_prompt'"),
     ({"messages": [{"role": "x"}]}, _COMPLETION, "messages", "'messages'"),
     ({"prompt": "x"}, _CHAT, "prompt", "'prompt'"),

@@ -78,7 +78,7 @@ class _Recorder:
     def __init__(self) -> None:
         self.sent: list[list[KvOp]] = []
 
-    def kv(self, ops) -> None:
+    def kv(self, ops, release=()) -> None:
         self.sent.append(list(ops))
 
 
@@ -343,11 +343,11 @@ def test_a_failed_request_ends_alone(ring4, real_model_path):
 
     def failing():
         first_piece.wait()
-        # Past every check of the head, to the stages: a sampling value they refuse (forged
-        # into a checked request, which no caller of the API could build).
-        params = GenerationParams(max_tokens=4, temperature=1.0)
-        object.__setattr__(params, "top_p", -1.0)
-        with ring.scheduler.acquire(bad) as slot, pytest.raises(StageFailure, match="top_p"):
+        # Past every check of the head, to the stages: a bias the last stage refuses (a
+        # token outside the vocabulary, which ``Ring.prepare`` would have refused).
+        params = GenerationParams(max_tokens=4, temperature=1.0, logit_bias={10**6: 1.0})
+        with ring.scheduler.acquire(bad) as slot, pytest.raises(StageFailure,
+                                                                match="vocabulary"):
             for _ in slot.session.tokens(Prepared(bad, params, "none")):
                 pass
         return None

@@ -88,10 +88,10 @@ def test_unimplemented_fields_and_endpoints_are_refused_in_openais_shape(base):
         "message": "'n' is not supported by this server: send 1 or leave it out",
         "type": "invalid_request_error", "param": "n",
         "code": "unsupported_parameter"}}
-    r = client.post("/v1/completions", json={"prompt": "hello", "min_p": 0.1})
+    r = client.post("/v1/completions", json={"prompt": "hello", "dry_multiplier": 0.8})
     assert r.status_code == 400, r.text
-    assert r.json()["error"] == {"message": "unknown field 'min_p': not supported by this server",
-                                 "type": "invalid_request_error", "param": "min_p",
+    assert r.json()["error"] == {"message": "unknown field 'dry_multiplier': not supported by this server",
+                                 "type": "invalid_request_error", "param": "dry_multiplier",
                                  "code": "unknown_parameter"}
     r = client.post("/v1/chat/completions", json={
         "messages": hi, "max_tokens": 2, "n": 1, "frequency_penalty": 0, "presence_penalty": 0,

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from edgespec._native import core as _core
-from edgespec.batch import Batch, Sampling, SeqIds
+from edgespec.batch import Batch, SamplerRef, SeqIds
+from edgespec.sampling import SamplerSettings
 from edgespec.tree.kvop import KvOp, KvOpCode
 from edgespec.wire import FieldTag, Kind, WireError
 from edgespec.wire.codec import Encoding, encode_frame
@@ -27,7 +28,8 @@ def _batch(rng: np.random.Generator, n: int, k: int) -> Batch:
     return Batch(rng.integers(0, 150_000, n), np.arange(10, 10 + n), SeqIds.from_lists(ids),
                  rng.permutation(n), rng.random(n) < 0.5, lap=int(rng.integers(0, 2**31)),
                  segment=int(rng.integers(0, 9)), pre_ops=ops,
-                 sampling=Sampling(0.7, 40, 0.9, int(rng.integers(0, 2**40))))
+                 sampling=SamplerRef(1 + int(rng.integers(0, 2**40)), SamplerSettings(
+                     (("temperature", 0.7), ("top_k", 40), ("seed", int(rng.integers(0, 2**40)))))))
 
 
 def _codec_bytes(b: Batch, hidden, stage: int, timing) -> tuple:

@@ -1,93 +1,48 @@
 """The data that travels the ring: a ``Batch`` of rows into stage 0, the last stage's
-``Result``, and the ``Sampling`` by which it picks target tokens. Neutral ground: the head
+``Result``, and the ``SamplerRef`` naming the sampler that picks its target tokens. Neutral ground: the head
 (``edgespec.head``), the wire (``edgespec.wire.frames``) and the nodes (``edgespec.node``) all
 read these types, and none of them owns them (docs/design.md 7).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from edgespec.sampling import MAX_TEXT, SamplerSettings
 from edgespec.tree.kvop import KvOp
-
-#: (frequency, presence, repetition) penalties that change nothing.
-NO_PENALTIES = (0.0, 0.0, 1.0)
 
 
 @dataclass(frozen=True)
-class Sampling:
-    """How the last stage picks the target token of a row. temperature 0 = greedy (argmax).
-    ``bias``: (token id, value) pairs added to every row's logits first (OpenAI's
-    ``logit_bias``), so the target distribution, and with it every mode's output, includes
-    them.
+class SamplerRef:
+    """Which sampler draws a batch's targets, and the context its rows add (docs/design.md
+    6.11). A request's sampling is registered once at the last stage, keyed by ``key``
+    (``edgespec.node.sampler``): the batch that first wants a target of it carries the
+    settings (``register``); every batch carries only the key and the text its rows follow.
 
-    ``grammar`` (llguidance's grammar text) and ``penalties`` (frequency, presence,
-    repetition) make a row's distribution depend on the text before it: the generated text
-    up to the step's root (``text``) and, below the root, the row's own path through the
-    step's tree (``tree``: each tree node's parent and token, node 0 being the root). The
-    engine attaches both to each batch it sends (``for_rows``); the last stage follows each
-    wanted row's path (``edgespec.node.constraints``) and draws from that row's own
-    distribution, so a drafted token is accepted only where the constrained target would
-    draw it (docs/design.md 6.10)."""
+    ``text_len``: the request's generated tokens up to and including the step's root, which
+    the rows follow; ``added``: the last of them (``text[text_len - len(added):text_len]``),
+    those the last stage may not have yet: the tokens gained since the previous step (all of
+    them in a registration), so bytes per batch stay the same however long the answer grows.
+    ``tree``: (parents, tokens) of the step's tree nodes 0..m-1 (node 0 the root, its parent
+    -1); a wanted row whose node is 0 or not in it (a plain lap, a prefill) follows the text
+    alone. Text and tree travel only where the request's distribution depends on the text
+    (``SamplerSettings.follows_text``). Key 0 is the plain greedy draw: nothing registered."""
 
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-    bias: tuple[tuple[int, float], ...] = ()
-    #: -1: no log probabilities; n >= 0: each target's, and the n most likely tokens' with
-    #: theirs (``TargetScores``), computed where the target is drawn.
-    logprobs: int = -1
-    grammar: str | None = None
-    penalties: tuple[float, float, float] = NO_PENALTIES
-    #: Per batch, where ``follows_text``: the generated tokens up to and including the root.
-    text: tuple[int, ...] = ()
-    #: Per batch: (parents, tokens) of the tree nodes 0..m-1 (node 0 the root, its parent -1);
-    #: a wanted row whose node is 0 or not in it (a plain lap, a prefill) follows ``text``.
+    key: int = 0
+    register: SamplerSettings | None = None
+    text_len: int = 0
+    added: tuple[int, ...] = ()
     tree: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
 
-    #: The largest bias magnitude (OpenAI's range): -100 bans a token, +100 forces it.
-    MAX_BIAS = 100.0
-    #: The most alternatives ``logprobs`` may ask for (OpenAI's ``top_logprobs`` limit).
-    MAX_TOP = 20
-
-    #: Limits on what a received META may carry (the context a ring holds, the widest tree).
-    MAX_TEXT = 1 << 17
+    #: Limits on what a received META may carry (the widest tree).
     MAX_TREE = 4096
-    MAX_GRAMMAR = 1 << 20
-    #: Generated tokens the repetition penalty looks back over (llama.cpp's default).
-    REPEAT_WINDOW = 64
-    #: The largest frequency / presence penalty magnitude (OpenAI's range) and repetition
-    #: penalty (llama-server's bound).
-    MAX_PENALTY = 2.0
-    MAX_REPEAT_PENALTY = 10.0
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0.0
-
-    @property
-    def follows_text(self) -> bool:
-        """Whether a row's distribution depends on the text before it (a grammar, a
-        penalty): then each batch carries ``text`` and ``tree``."""
-        return self.grammar is not None or self.penalties != NO_PENALTIES
-
-    def for_rows(self, text: Sequence[int], parents: Sequence[int] = (),
-                 tokens: Sequence[int] = ()) -> Sampling:
-        """This sampling with one batch's context (``text``, ``tree``), where it needs one."""
-        if not self.follows_text:
-            return self
-        return dataclasses.replace(self, text=tuple(int(t) for t in text),
-                                   tree=(tuple(int(p) for p in parents),
-                                         tuple(int(t) for t in tokens)))
-
-    def paths(self, nodes: Sequence[int]) -> list[list[int]]:
-        """The text each of these tree nodes' targets follows: ``text`` and the node's path
-        below the root."""
+    def paths(self, text: Sequence[int], nodes: Sequence[int]) -> list[list[int]]:
+        """The text each of these tree nodes' targets follows: ``text`` (the generated text
+        up to the root) and the node's path below the root."""
         parents, tokens = self.tree
         out = []
         for n in nodes:
@@ -95,91 +50,51 @@ class Sampling:
             while 0 < n < len(parents):  # up to the root (parents come before children)
                 path.append(tokens[n])
                 n = parents[n]
-            out.append([*self.text, *reversed(path)])
+            out.append([*text, *reversed(path)])
         return out
 
     def as_meta(self) -> dict:
-        meta = {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p,
-                "seed": self.seed}
-        if self.bias:
-            meta["logit_bias"] = [[t, v] for t, v in self.bias]
-        if self.logprobs >= 0:
-            meta["logprobs"] = self.logprobs
-        if self.grammar is not None:
-            meta["grammar"] = self.grammar
-        if self.penalties != NO_PENALTIES:
-            meta["penalties"] = list(self.penalties)
-        if self.follows_text:
-            meta["text"] = list(self.text)
+        if self.key == 0:
+            return {}
+        meta: dict = {"key": self.key}
+        if self.register is not None:
+            meta["register"] = self.register.as_meta()
+        if self.text_len:
+            meta["n"] = self.text_len
+            meta["added"] = list(self.added)
+        if self.tree[0]:
             meta["tree"] = [list(self.tree[0]), list(self.tree[1])]
         return meta
 
     @classmethod
-    def from_meta(cls, meta: dict) -> Sampling:
-        bias = meta.get("logit_bias", [])
-        if not isinstance(bias, list) or len(bias) > MAX_BIASED_TOKENS:
-            raise ValueError(f"META.sampling.logit_bias must be a list of at most "
-                             f"{MAX_BIASED_TOKENS} [token, value] pairs")
-        pairs = []
-        for pair in bias:
-            if (not isinstance(pair, list) or len(pair) != 2 or type(pair[0]) is not int
-                    or type(pair[1]) not in (int, float) or not pair[0] >= 0
-                    or not abs(pair[1]) <= cls.MAX_BIAS):
-                raise ValueError(f"META.sampling.logit_bias: bad pair {pair!r}")
-            pairs.append((pair[0], float(pair[1])))
-        logprobs = meta.get("logprobs", -1)
-        if type(logprobs) is not int or not -1 <= logprobs <= cls.MAX_TOP:
-            raise ValueError(f"META.sampling.logprobs must be -1..{cls.MAX_TOP}, got "
-                             f"{logprobs!r}")
-        grammar = meta.get("grammar")
-        if grammar is not None and (type(grammar) is not str
-                                    or len(grammar) > cls.MAX_GRAMMAR):
-            raise ValueError(f"META.sampling.grammar must be text of at most "
-                             f"{cls.MAX_GRAMMAR} characters")
-        penalties = meta.get("penalties", list(NO_PENALTIES))
-        if (not isinstance(penalties, list) or len(penalties) != 3
-                or any(type(v) not in (int, float) for v in penalties)
-                or not (abs(penalties[0]) <= cls.MAX_PENALTY
-                        and abs(penalties[1]) <= cls.MAX_PENALTY
-                        and 0.0 < penalties[2] <= cls.MAX_REPEAT_PENALTY)):
-            raise ValueError(f"META.sampling.penalties: bad value {penalties!r}")
-        text = meta.get("text", [])
+    def from_meta(cls, meta: dict) -> SamplerRef:
+        if not isinstance(meta, dict):
+            raise ValueError("META.sampling must be an object")
+        key = meta.get("key", 0)
+        if type(key) is not int or not 0 <= key < 1 << 63:
+            raise ValueError("META.sampling.key must be a 63-bit request key")
+        register = meta.get("register")
+        if register is not None:
+            register = SamplerSettings.from_meta(register)
+        n, added = meta.get("n", 0), meta.get("added", [])
+        if (type(n) is not int or not 0 <= n <= MAX_TEXT or not isinstance(added, list)
+                or len(added) > n or not _token_ids(added)):
+            raise ValueError("META.sampling: n and added must be a text length and at most "
+                             "that many token ids")
         tree = meta.get("tree", [[], []])
-        if not isinstance(text, list) or len(text) > cls.MAX_TEXT or not _token_ids(text):
-            raise ValueError("META.sampling.text must be a list of token ids")
         if (not isinstance(tree, list) or len(tree) != 2 or not isinstance(tree[0], list)
                 or not isinstance(tree[1], list) or len(tree[0]) != len(tree[1])
                 or len(tree[0]) > cls.MAX_TREE or not _token_ids(tree[1])
                 or any(type(p) is not int or not -1 <= p < i for i, p in enumerate(tree[0]))):
             raise ValueError("META.sampling.tree must be [parents, tokens], each parent "
                              "before its node")
-        return cls(float(meta.get("temperature", 0.0)), int(meta.get("top_k", 0)),
-                   float(meta.get("top_p", 1.0)), int(meta.get("seed", 0)), tuple(pairs),
-                   logprobs, grammar, (float(penalties[0]), float(penalties[1]),
-                                       float(penalties[2])),
-                   tuple(text), (tuple(tree[0]), tuple(tree[1])))
-
-    def biased(self, logits: np.ndarray) -> np.ndarray:
-        """``logits`` (rows x vocabulary) with the bias added, as a new float32 array; the
-        logits themselves where there is no bias. ValueError names a token outside the
-        vocabulary."""
-        if not self.bias:
-            return logits
-        ids = np.fromiter((t for t, _ in self.bias), np.int64, len(self.bias))
-        if int(ids.max()) >= logits.shape[-1]:
-            raise ValueError(f"logit_bias names token {int(ids.max())}, outside the "
-                             f"vocabulary of {logits.shape[-1]} tokens")
-        out = np.array(logits, dtype=np.float32, copy=True)
-        out[..., ids] += np.fromiter((v for _, v in self.bias), np.float32, len(self.bias))
-        return out
+        if key == 0 and (register is not None or n or tree[0]):
+            raise ValueError("META.sampling: settings and text need a request key")
+        return cls(key, register, n, tuple(added), (tuple(tree[0]), tuple(tree[1])))
 
 
 def _token_ids(values: list) -> bool:
     return all(type(t) is int and 0 <= t < 1 << 31 for t in values)
-
-
-#: Tokens one request may bias (OpenAI allows 300): the list rides in every batch's META.
-MAX_BIASED_TOKENS = 300
 
 
 @dataclass
@@ -391,10 +306,10 @@ class Batch:
     lap: int = 0
     segment: int = 0
     pre_ops: list[KvOp] = field(default_factory=list)
-    sampling: Sampling = field(default_factory=Sampling)
+    sampling: SamplerRef = field(default_factory=SamplerRef)
     # Lap-timing stamps of the stages it went through (edgespec.laps; rides in META).
     timing: list = field(default_factory=list)
-    # What the last stage measured of its wanted rows' targets (``Sampling.logprobs``).
+    # What the last stage measured of its wanted rows' targets (``SamplerSettings.logprobs``).
     scores: TargetScores | None = None
 
     def __post_init__(self) -> None:

@@ -4,7 +4,7 @@ matchers that hold a text's place in it (docs/design.md 6.10).
 A ``Grammar`` is made where a request enters (``response_format``, ``json_schema=``, a forced
 tool call) and travels to the last stage as llguidance's grammar text; the last stage masks
 every wanted row's logits with the tokens the grammar allows after that row's own path
-(``edgespec.node.constraints``), so a drafted row is accepted only where the constrained target
+(``edgespec.node.sampler``), so a drafted row is accepted only where the constrained target
 would draw it. The head keeps a matcher of its own for the text accepted so far, to draft the
 tokens the grammar forces (``edgespec.drafters.constrained``).
 

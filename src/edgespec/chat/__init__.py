@@ -50,28 +50,30 @@ class Backend(Protocol):
 
 # ------------------------------------------------------------------------------- the loop
 
-def run_chat(ring: Ring, *, system: str | None = None, temperature: float = 0.0,
-             max_tokens: int = 512, spec: str | None = None,
-             json_schema: dict[str, Any] | None = None, stdin: TextIO | None = None,
-             stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
+def run_chat(ring: Ring, *, system: str | None = None, max_tokens: int = 512,
+             spec: str | None = None, json_schema: dict[str, Any] | None = None,
+             stdin: TextIO | None = None, stdout: TextIO | None = None,
+             stderr: TextIO | None = None, **sampling: float) -> int:
     """Chat over ``ring``; returns the exit code (1 if an answer failed). ``json_schema``:
-    every answer is one JSON value valid against it."""
-    backend = RingBackend(ring, system=system, temperature=temperature, max_tokens=max_tokens,
-                          spec=spec, json_schema=json_schema)
+    every answer is one JSON value valid against it; ``sampling``: sampler fields
+    (``edgespec.sampling.FIELDS``: ``temperature``, ``top_p``, ...; greedy by default)."""
+    backend = RingBackend(ring, system=system, max_tokens=max_tokens, spec=spec,
+                          json_schema=json_schema, **sampling)
     return chat_loop(backend, stdin=stdin, stdout=stdout, stderr=stderr)
 
 
 def run_server_chat(url: str, *, api_key: str | None = None, system: str | None = None,
-                    temperature: float = 0.0, max_tokens: int = 512,
-                    json_schema: dict[str, Any] | None = None, ca_file: str | None = None,
-                    stdin: TextIO | None = None, stdout: TextIO | None = None,
-                    stderr: TextIO | None = None) -> int:
+                    max_tokens: int = 512, json_schema: dict[str, Any] | None = None,
+                    ca_file: str | None = None, stdin: TextIO | None = None,
+                    stdout: TextIO | None = None, stderr: TextIO | None = None,
+                    **sampling: float) -> int:
     """Chat with the `edgespec serve` at ``url``; returns the exit code. ``json_schema``:
     sent as every request's ``response_format``; ``ca_file``: the certificate an HTTPS
-    server is trusted by."""
+    server is trusted by; ``sampling``: sampler fields sent with every request (greedy
+    unless ``temperature`` is given)."""
     backend = ServerBackend(url, api_key=api_key or os.environ.get("EDGESPEC_API_KEY"),
-                            system=system, temperature=temperature, max_tokens=max_tokens,
-                            json_schema=json_schema, ca_file=ca_file)
+                            system=system, max_tokens=max_tokens, json_schema=json_schema,
+                            ca_file=ca_file, **sampling)
     return chat_loop(backend, stdin=stdin, stdout=stdout, stderr=stderr)
 
 

@@ -93,16 +93,15 @@ def drafter_label(ring: Ring) -> str:
 class RingBackend:
     """Chat over a ``Ring`` held by this process."""
 
-    def __init__(self, ring: Ring, *, system: str | None, temperature: float,
-                 max_tokens: int, spec: str | None,
-                 json_schema: dict[str, Any] | None = None) -> None:
+    def __init__(self, ring: Ring, *, system: str | None, max_tokens: int, spec: str | None,
+                 json_schema: dict[str, Any] | None = None, **sampling: float) -> None:
         self.ring = ring
         self.session = ChatSession(ring, system)
         # Checked once here: a bad value ends the command before the ring is asked anything.
         grammar = (None if json_schema is None
                    else Grammar.json_schema(json_schema, param="--json-schema"))
-        self.params = GenerationParams(temperature=temperature, max_tokens=max_tokens,
-                                       spec=spec, grammar=grammar)
+        self.params = GenerationParams(max_tokens=max_tokens, spec=spec, grammar=grammar,
+                                       **sampling)
         self.max_tokens = max_tokens
 
     def banner(self) -> str:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from edgespec.chat.terminal import HELP
+from edgespec.params import GenerationParams
 
 
 class ServerError(RuntimeError):
@@ -36,9 +37,9 @@ class ServerBackend:
     """
 
     def __init__(self, url: str, *, api_key: str | None, system: str | None,
-                 temperature: float, max_tokens: int, timeout: float = 600.0,
+                 max_tokens: int, timeout: float = 600.0,
                  json_schema: dict[str, Any] | None = None,
-                 ca_file: str | None = None) -> None:
+                 ca_file: str | None = None, **sampling: float) -> None:
         base = url.rstrip("/")
         if not re.match(r"^https?://", base):
             base = "http://" + base
@@ -47,7 +48,10 @@ class ServerBackend:
         # HTTPS: the system's trusted CAs, or the certificate (or CA) in ``ca_file``.
         self.tls = ssl.create_default_context(cafile=ca_file) if ca_file else None
         self.system = system
-        self.temperature = temperature
+        # Checked here, before the server is asked anything; greedy unless told (the
+        # server's default temperature is OpenAI's, 1).
+        GenerationParams(**sampling)
+        self.sampling = {"temperature": 0.0, **sampling}
         self.max_tokens = max_tokens
         self.timeout = timeout
         # Every answer constrained to this schema (OpenAI's response_format).
@@ -113,7 +117,7 @@ class ServerBackend:
                ) -> ServerReply:
         msgs = [*self.messages, {"role": "user", "content": text}]
         body = {"model": self.model, "messages": msgs, "stream": True,
-                "max_tokens": self.max_tokens, "temperature": self.temperature,
+                "max_tokens": self.max_tokens, **self.sampling,
                 "stream_options": {"include_usage": True}}
         if self.response_format is not None:
             body["response_format"] = self.response_format

@@ -10,6 +10,7 @@ from pathlib import Path
 from edgespec.cli.common import MIN_CTX, _add, _at_least
 from edgespec.cli.hangup import exit_on_hangup
 from edgespec.head.engine.registry import SPEC_MODES, help_text
+from edgespec.sampling import add_flags, given_flags
 
 # ------------------------------------------------------------------------------- run a ring
 
@@ -100,12 +101,12 @@ def _chat(args: argparse.Namespace) -> int:
             raise ValueError("--server talks to a running `edgespec serve`, --local N starts "
                              "a ring of its own: give one of them")
         return run_server_chat(args.server, api_key=args.api_key, system=args.system,
-                               temperature=args.temperature, max_tokens=args.max_tokens,
-                               json_schema=schema, ca_file=args.ca_file)
+                               max_tokens=args.max_tokens, json_schema=schema,
+                               ca_file=args.ca_file, **given_flags(args))
     with _open_ring(args) as ring:
         _warn_other_model(args, ring)
-        return run_chat(ring, system=args.system, temperature=args.temperature,
-                        max_tokens=args.max_tokens, spec=args.spec, json_schema=schema)
+        return run_chat(ring, system=args.system, max_tokens=args.max_tokens, spec=args.spec,
+                        json_schema=schema, **given_flags(args))
 
 
 def _warn_other_model(args: argparse.Namespace, ring) -> None:
@@ -142,10 +143,10 @@ def _add_chat(sub) -> None:
                    help="trust the HTTPS --server whose certificate (or its CA) is FILE, e.g. "
                         "the serve-cert.pem of `serve --tls-self-signed`")
     p.add_argument("--system", default=None, help="system prompt")
-    p.add_argument("--temperature", type=_at_least(0.0, float), default=0.0,
-                   help="0 = greedy")
     p.add_argument("--max-tokens", type=_at_least(1), default=512,
                    help="answer length limit (capped to the room left in the context)")
+    sampler = p.add_argument_group("sampling (every answer; greedy unless --temperature)")
+    add_flags(sampler)
     p.add_argument("--json-schema", default=None, metavar="FILE",
                    help="constrain every answer to one JSON value valid against the JSON "
                         "schema in FILE (over --server: sent as response_format)")

@@ -55,7 +55,9 @@ class Chain(Protocol):
     # Whether next_result() would return (or raise) without waiting.
     def has_result(self) -> bool: ...
     def prune(self, nodes: Iterable[int], lap: int = 0) -> None: ...
-    def kv(self, ops: Sequence[KvOp]) -> None: ...
+    # KV operations, in order with the batches; ``release``: requests that ended, whose
+    # samplers the last stage frees (``SamplerRef.key``).
+    def kv(self, ops: Sequence[KvOp], release: Sequence[int] = ()) -> None: ...
     def abandon(self) -> None: ...
     def close(self) -> None: ...
 
@@ -73,13 +75,13 @@ class LocalChain:
         self.n_vocab = n_vocab
         self.n_stages = len(runtimes)
         self.n_seq_max = min(rt.n_seq_max for rt in runtimes)  # sequences every stage holds
-        self._queue: collections.deque[Batch | list[KvOp]] = collections.deque()
+        self._queue: collections.deque[Batch | tuple[list[KvOp], list[int]]] = collections.deque()
 
     def submit(self, batch: Batch) -> None:
         self._queue.append(batch)
 
-    def kv(self, ops: Sequence[KvOp]) -> None:
-        self._queue.append(list(ops))
+    def kv(self, ops: Sequence[KvOp], release: Sequence[int] = ()) -> None:
+        self._queue.append((list(ops), list(release)))
 
     def prune(self, nodes: Iterable[int], lap: int = 0) -> None:
         self.worker.prune(lap, nodes, ())
@@ -87,8 +89,10 @@ class LocalChain:
     def next_result(self, timeout: float | None = None) -> Result:
         while self._queue:
             item = self._queue.popleft()
-            if isinstance(item, list):
-                self.worker.apply_ops(item)
+            if isinstance(item, tuple):
+                ops, release = item
+                self.worker.apply_ops(ops)
+                self.worker.release(release)
                 continue
             try:
                 batch, targets = self.worker.run(item, None)

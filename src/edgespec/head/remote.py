@@ -266,10 +266,13 @@ class RemoteChain:
         self._laps.append(batch.lap)
         send_batch(self._first.conn, batch)
 
-    def kv(self, ops: Sequence[KvOp]) -> None:
-        if ops:
+    def kv(self, ops: Sequence[KvOp], release: Sequence[int] = ()) -> None:
+        if ops or release:
+            meta: dict = {"stage": 0}
+            if release:
+                meta["release"] = [int(k) for k in release]
             self._first.conn.send(Message(Kind.KV_OPS, {FieldTag.KV_OPS: list(ops),
-                                                         FieldTag.META: {"stage": 0}},
+                                                         FieldTag.META: meta},
                                           lap_id=self._kv_lap))
 
     def prune(self, nodes: Iterable[int], lap: int = 0) -> None:

@@ -191,11 +191,11 @@ class SlotChain:
         except TransportError as e:  # another slot closed it for a rebuild, or it broke
             raise NodeLost(f"the ring's chain is gone: {e}") from e
 
-    def kv(self, ops: Sequence[KvOp]) -> None:
-        mapped = self._unpark(ops) + self._ops(ops)
-        if mapped:
+    def kv(self, ops: Sequence[KvOp], release: Sequence[int] = ()) -> None:
+        mapped = self._unpark(ops) + self._ops(ops) if ops or not release else []
+        if mapped or release:
             try:
-                self.demux.chain.kv(mapped)
+                self.demux.chain.kv(mapped, release)
             except TransportError as e:
                 raise NodeLost(f"the ring's chain is gone: {e}") from e
 

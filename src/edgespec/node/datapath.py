@@ -11,7 +11,8 @@ Frames of the data path (all over authenticated connections, ``edgespec.wire.tra
   node to node, not through the head) or, on the last stage, the target tokens to the head.
   Batches of other sequences already waiting behind it join its decode (one llama.cpp
   batch, docs/design.md 5.7) and go on separately.
-- KV_OPS: KV operations ordered with the batches (they travel the ring like a batch).
+- KV_OPS: KV operations ordered with the batches (they travel the ring like a batch); its
+  ``META.release`` names requests that ended, whose samplers the last stage frees.
 - PRUNE: tree nodes rejected by the head's verifier. Applied at once, so rows of those nodes
   still queued or in flight are dropped before they cost compute.
 
@@ -51,6 +52,8 @@ log = logging.getLogger("edgespec.node")
 
 #: Seconds to dial the next node when linking (a node that does not answer fails the link).
 LINK_TIMEOUT_S = 10.0
+#: Request keys one KV_OPS frame may release (``META.release``).
+MAX_RELEASE = 1024
 #: Batches up to this many rows may run on the thread that read them (a decode lap, a small
 #: tree). While it runs, that connection is not read; small batches keep what the node then
 #: sends on small too, so two nodes that feed each other (a ring of several rounds) never
@@ -201,7 +204,14 @@ class StageLoop:
         msg = frame.decode()
         ops = kv_ops_list(msg[FieldTag.KV_OPS])
         hosted = self._hosted(int(msg.meta.get("stage", 0)))
-        hosted.post(("kv", ops, msg.lap_id))
+        release = msg.meta.get("release")
+        if release is not None and (not isinstance(release, list) or len(release) > MAX_RELEASE
+                                    or not all(type(k) is int for k in release)):
+            raise WireError("META.release must be a list of request keys")
+        if ops:
+            hosted.post(("kv", ops, msg.lap_id))
+        if release:
+            hosted.post(("release", release, msg.lap_id))
         return None
 
     def _on_prune(self, conn: Connection, frame: Frame) -> None:
@@ -241,6 +251,10 @@ class StageLoop:
             if kind == "kv":
                 hosted.worker.apply_ops(a)
                 self._send_on(hosted, "kv", (a, b))
+                return
+            if kind == "release":  # requests that ended: their samplers at the last stage
+                hosted.worker.release(a)
+                self._send_on(hosted, "release", (a, b))
                 return
             stamp = a.timing[-1] if a.timing else [hosted.stage, 0, 0, 0, 0]
             stamp[2], cpu = now(), cpu_now()
@@ -354,8 +368,8 @@ class StageLoop:
                                                np.zeros(0, np.int32)))
             return
         if hosted.next_local is not None:
-            if kind == "kv":
-                hosted.next_local.post(("kv", *payload))
+            if kind in ("kv", "release"):
+                hosted.next_local.post((kind, *payload))
             else:
                 batch, hidden = payload
                 # A copy, not a view: the hidden states live in this window's capture buffer,
@@ -373,6 +387,10 @@ class StageLoop:
                 conn.send(Message(Kind.KV_OPS, {FieldTag.KV_OPS: list(ops),
                                                  FieldTag.META: {"stage": hosted.next_stage}},
                                   lap_id=int(lap or 0)))
+            elif kind == "release":
+                keys, lap = payload
+                conn.send(Message(Kind.KV_OPS, {FieldTag.KV_OPS: [], FieldTag.META: {
+                    "stage": hosted.next_stage, "release": list(keys)}}, lap_id=int(lap or 0)))
             else:
                 batch, hidden = payload
                 send_batch(conn, batch, hidden, hosted.encoding, hosted.next_stage, batch.timing)

@@ -1,8 +1,9 @@
 """Node-side stage execution: a ``StageWorker`` runs batches through the windows one process
 hosts, in ring order, dropping rows of pruned tree nodes; the last stage picks the target
-tokens (``pick_targets``). Used by a node's hosted stages (``edgespec.node.datapath``) and by the
+tokens. Used by a node's hosted stages (``edgespec.node.datapath``) and by the
 head's in-process ``edgespec.head.chain.LocalChain``. The ``Chain`` contract these serve is
-described in ``edgespec.head.chain``.
+described in ``edgespec.head.chain``. The last stage's targets come from the requests' sampler
+chains (``edgespec.node.sampler``).
 """
 
 from __future__ import annotations
@@ -13,48 +14,11 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from edgespec.batch import Batch, Sampling, TargetScores
+from edgespec.batch import Batch, TargetScores
 from edgespec.laps import cpu_now, now
-from edgespec.node.constraints import RowConstraints
 from edgespec.node.merge import concat_batches
+from edgespec.node.sampler import SamplerStates
 from edgespec.tree.kvop import KvOp, KvOpCode
-
-# ------------------------------------------------------------------------- target picking
-
-def pick_targets(logits: np.ndarray, pos: np.ndarray, sampling: Sampling) -> np.ndarray:
-    """Target token after each logits row: argmax, or a seeded draw from the target's
-    distribution (temperature / top-k / top-p).
-
-    The draw for the token at sequence position p uses the C++ core's ``uniform(seed, p)``, so a
-    sampled generation is the same whatever tree or mode produced it, and each accepted token is
-    an exact draw from the target's conditional (SpecExec / FlowSpec verification).
-    """
-    return draw(logits, pos, sampling)[0]
-
-
-def draw(logits: np.ndarray, pos: np.ndarray, sampling: Sampling,
-         nodes: np.ndarray | None = None, constraints: RowConstraints | None = None
-         ) -> tuple[np.ndarray, TargetScores | None]:
-    """The targets (``pick_targets``), and their ``TargetScores`` when the sampling asks for
-    log probabilities. Where the sampling follows the text (a grammar, penalties), each row
-    is first shaped by ``constraints`` along the path of its tree node (``nodes``)."""
-    from edgespec.tree import core
-
-    logits = sampling.biased(logits)
-    if sampling.follows_text:
-        if constraints is None or nodes is None:
-            raise ValueError("a grammar or penalties need the stage's row constraints")
-        logits = constraints.apply(logits, nodes, sampling)
-    if sampling.greedy:
-        targets = core.argmax_rows(np.ascontiguousarray(logits, dtype=np.float32))
-    else:
-        verifier = core.Verifier(sampling.temperature, sampling.top_k, sampling.top_p,
-                                 sampling.seed & 0xFFFFFFFFFFFFFFFF)
-        targets = verifier.sample_rows(np.ascontiguousarray(logits, dtype=np.float32), pos)
-    if sampling.logprobs < 0:
-        return targets, None
-    return targets, TargetScores.of(logits, targets, sampling.logprobs)
-
 
 # ----------------------------------------------------------------------- stage execution
 
@@ -76,9 +40,27 @@ class StageWorker:
         self._pending_ops: list[KvOp] = []
         self._lock = threading.Lock()  # prune() comes from another thread on a node
         self.stamp_windows = False  # LocalChain: stamp every window (edgespec.laps)
-        # The last window's grammar masks and penalties (its vocabulary is the model's).
-        self.constraints = (RowConstraints(self.runtimes[-1])
-                            if is_last and self.runtimes else None)
+        # The requests' samplers (grammars compile against the last window's vocabulary).
+        self.samplers = SamplerStates(self._tokenizer) if is_last else None
+
+    def _tokenizer(self):
+        from edgespec.grammar import vocab_tokenizer
+
+        if not self.runtimes:
+            raise ValueError("no window to read a vocabulary from")
+        return vocab_tokenizer(self.runtimes[-1].model)
+
+    def draw(self, batch: Batch, logits: np.ndarray) -> tuple[np.ndarray, TargetScores | None]:
+        """The targets of a batch's wanted rows (``logits``, one row each), drawn by the
+        sampler its ``SamplerRef`` names."""
+        sampler = self.samplers.sampler(batch.sampling)
+        return sampler.draw(logits, batch.pos[batch.want], batch.nodes[batch.want],
+                            batch.sampling)
+
+    def release(self, keys) -> None:
+        """Free the samplers of requests that ended (their ``SamplerRef.key``)."""
+        if self.samplers is not None and keys:
+            self.samplers.release(keys)
 
     def prune(self, lap: int, nodes: Iterable[int], ops: Sequence[KvOp]) -> None:
         with self._lock:
@@ -144,8 +126,7 @@ class StageWorker:
                 batch.timing.append([i, t_prev, t_prev, t, cpu - cpu_prev])
                 t_prev, cpu_prev = t, cpu
         if self.is_last:
-            targets, batch.scores = draw(x, batch.pos[batch.want], batch.sampling,
-                                         batch.nodes[batch.want], self.constraints)
+            targets, batch.scores = self.draw(batch, x)
             return batch, targets
         return batch, x
 
@@ -155,7 +136,7 @@ class StageWorker:
         per window: pending prune ops, each batch's ``pre_ops`` in order, each batch's pruned
         rows dropped, then the surviving rows concatenated through every hosted window. The
         outputs are split back: per batch what ``run`` returns (hidden rows, or on the last
-        stage the targets of its wanted rows drawn with its own ``Sampling``), or the
+        stage the targets of its wanted rows drawn by its own sampler), or the
         exception that batch failed with (its pre_ops, or its rows when run alone).
 
         Equivalent to ``run`` on each in turn because the fence admits a batch only when its
@@ -225,8 +206,7 @@ class StageWorker:
             k = int(np.count_nonzero(b.want))
             try:
                 if k:
-                    targets, b.scores = draw(x[r:r + k], b.pos[b.want], b.sampling,
-                                             b.nodes[b.want], self.constraints)
+                    targets, b.scores = self.draw(b, x[r:r + k])
                 else:
                     targets = np.zeros(0, dtype=np.int32)
                 res.append((b, targets))

@@ -5,7 +5,8 @@ stream deltas, tool calls parsed out of it (``answer_message``, ``Deltas``), all
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -16,9 +17,6 @@ from edgespec.head.tools import (
     template_messages,
     template_tools,
 )
-
-if TYPE_CHECKING:
-    from edgespec.server.requests import _ChatRequest
 
 _Str = Annotated[str, Field(strict=True)]
 
@@ -43,7 +41,7 @@ class _Function(BaseModel):
     strict: Annotated[bool, Field(strict=True)] | None = None
 
 
-class _Tool(BaseModel):
+class Tool(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["function"]
     function: _Function
@@ -54,7 +52,7 @@ class _FunctionName(BaseModel):
     name: _Name
 
 
-class _NamedChoice(BaseModel):
+class NamedChoice(BaseModel):
     """``tool_choice`` naming the one function to call."""
 
     model_config = ConfigDict(extra="forbid")
@@ -77,7 +75,7 @@ class _ToolCall(BaseModel):
     function: _CalledFunction
 
 
-class _Message(BaseModel):
+class Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant", "tool"]
     # Null only in an assistant turn that called tools (checked in ``_check_messages``).
@@ -98,7 +96,15 @@ class _Message(BaseModel):
         return "".join(p.text for p in self.content)
 
 
-def chat_input(req: _ChatRequest
+class ChatParts(Protocol):
+    """What these functions read of a chat request (``requests``' model has it)."""
+
+    messages: Sequence[Message]
+    tools: Sequence[Tool] | None
+    tool_choice: Any
+
+
+def chat_input(req: ChatParts
                ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """What the chat template renders: the messages (``head.tools.template_messages``) and
     the tools, None without tools or with ``tool_choice: "none"``: the template then writes
@@ -107,17 +113,17 @@ def chat_input(req: _ChatRequest
     msgs = template_messages(
         {"role": m.role, "content": m.text(), "tool_call_id": m.tool_call_id,
          "tool_calls": [c.model_dump() for c in m.tool_calls or ()]} for m in req.messages)
-    return msgs, (template_tools(_tool_dicts(req)) if tool_names(req) is not None else None)
+    return msgs, (template_tools(tool_dicts(req)) if tool_names(req) is not None else None)
 
 
-def tool_names(req: _ChatRequest) -> list[str] | None:
+def tool_names(req: ChatParts) -> list[str] | None:
     """The functions the answer may call (its text is then parsed for calls), or None."""
     if not req.tools or req.tool_choice == "none":
         return None
     return [t.function.name for t in req.tools]
 
 
-def _tool_dicts(req: _ChatRequest) -> list[dict[str, Any]]:
+def tool_dicts(req: ChatParts) -> list[dict[str, Any]]:
     return [t.model_dump(exclude_none=True) for t in req.tools or ()]
 
 

@@ -4,9 +4,9 @@ Ollama's default, or one body), ``GET /api/tags``, ``/api/ps``, ``/api/version``
 ``POST /api/show``.
 
 A request becomes the OpenAI chat request (``doors.openai_chat``; ``raw`` generate: a
-completion) that the OpenAI door runs: ``options`` (``temperature``, ``top_p``, ``top_k``,
-``seed``, ``num_predict``, ``stop``, ``repeat_penalty``, ``presence_penalty``,
-``frequency_penalty``) onto the same ``GenerationParams``, ``format`` (``"json"`` or a JSON
+completion) that the OpenAI door runs: ``options`` (every sampler field of
+``edgespec.sampling.FIELDS``, which Ollama names alike, and ``num_predict``, ``stop``) onto
+the same ``GenerationParams``, ``format`` (``"json"`` or a JSON
 schema) as its grammar, ``tools`` and the messages' ``tool_calls`` / tool results as its
 tools and messages. Any other option, and a field asking for what this server does not do
 (images, ``think``, ``suffix``, ``template``, ``context``, ``keep_alive`` 0), is a 400 naming
@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 import edgespec
 from edgespec.api import Generation
+from edgespec.sampling import FIELDS
 from edgespec.server.chat_input import Deltas, answer_message
 from edgespec.server.doors import (
     answered_in,
@@ -43,9 +44,8 @@ from edgespec.server.runs import Runs, Started, _Piece, cut_off, streamed
 _Str = Annotated[str, Field(strict=True)]
 
 #: Ollama's options this server honours, as the OpenAI request's fields they become.
-OPTIONS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed",
-           "num_predict": "max_tokens", "stop": "stop", "repeat_penalty": "repeat_penalty",
-           "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty"}
+#: Every sampler field (``edgespec.sampling.FIELDS``) is an Ollama option of the same name.
+OPTIONS = {**{k.name: k.name for k in FIELDS}, "num_predict": "max_tokens", "stop": "stop"}
 
 
 #: OpenAI's names of the fields Ollama names otherwise, for the refusals' messages.

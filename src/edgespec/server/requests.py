@@ -13,17 +13,18 @@ import json
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
+from edgespec import sampling as fields
 from edgespec.errors import RequestError
 from edgespec.grammar import Grammar
 from edgespec.head.tools import tool_grammar
 from edgespec.params import SPEC_MODES, GenerationParams
 from edgespec.server.chat_input import (
-    _Message,
-    _NamedChoice,
-    _Tool,
-    _tool_dicts,
+    Message,
+    NamedChoice,
+    Tool,
+    tool_dicts,
     tool_names,
 )
 
@@ -104,7 +105,19 @@ class _StreamOptions(BaseModel):
     include_obfuscation: Any = None
 
 
-class _Sampling(BaseModel):
+def _knob_type(k: Any) -> Any:
+    """A ``FIELDS`` row as a strict, bounded pydantic type (bounds from the table)."""
+    bounds = {"gt" if k.low_open else "ge": k.kind(k.low), "le": k.kind(k.high)}
+    return Annotated[_Float if k.kind is float else _Int, Field(**bounds)] | None
+
+
+#: The sampler chain's fields (``edgespec.sampling.FIELDS``), each optional (null: the
+#: default), with the table's bounds.
+_SamplerFields = create_model("_SamplerFields", __config__=ConfigDict(extra="forbid"),
+                              **{k.name: (_knob_type(k), None) for k in fields.FIELDS})
+
+
+class _Sampling(_SamplerFields):  # type: ignore[misc, valid-type]
     """The fields both endpoints share. ``None`` means "the default", as OpenAI treats null."""
 
     model_config = ConfigDict(extra="forbid")
@@ -112,11 +125,6 @@ class _Sampling(BaseModel):
     max_tokens: Annotated[_Int, Field(ge=1, le=1 << 20)] | None = None
     # Newer clients send max_completion_tokens (chat); it means the same here.
     max_completion_tokens: Annotated[_Int, Field(ge=1, le=1 << 20)] | None = None
-    temperature: Annotated[_Float, Field(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[_Float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[_Int, Field(ge=0, le=(1 << 31) - 1)] | None = None
-    # Any 64-bit seed, signed or not; the sampler takes it modulo 2**64.
-    seed: Annotated[_Int, Field(ge=-(1 << 63), le=(1 << 64) - 1)] | None = None
     stop: _Str | Annotated[list[_Str], Field(max_length=4)] | None = None
     stream: Annotated[bool, Field(strict=True)] | None = None
     stream_options: _StreamOptions | None = None
@@ -127,11 +135,6 @@ class _Sampling(BaseModel):
     # An end-user id for the provider's abuse monitoring: it asks nothing of the generation,
     # so any server may take it and do nothing with it.
     user: _Str | None = None
-    # OpenAI's penalties on tokens already in the answer, and llama-server's repetition
-    # penalty (1 = off), as ``GenerationParams`` takes them.
-    frequency_penalty: Annotated[_Float, Field(ge=-2.0, le=2.0)] | None = None
-    presence_penalty: Annotated[_Float, Field(ge=-2.0, le=2.0)] | None = None
-    repeat_penalty: Annotated[_Float, Field(gt=0.0, le=10.0)] | None = None
     # What the text must match beyond OpenAI's ``response_format``: a regular expression
     # (vLLM's guided regex) or a GBNF grammar (llama-server's ``grammar``).
     regex: Annotated[str, Field(strict=True, min_length=1)] | None = None
@@ -144,7 +147,7 @@ class _Sampling(BaseModel):
 
 
 class _ChatRequest(_Sampling):
-    messages: Annotated[list[_Message], Field(min_length=1)]
+    messages: Annotated[list[Message], Field(min_length=1)]
     # Informational, like ``user``: the successor of ``user`` for abuse monitoring, tags for
     # OpenAI's dashboard, and a hint for which cache to route to (this server's cache is the
     # slot's own history, kept without a hint). None of them changes an answer.
@@ -157,8 +160,8 @@ class _ChatRequest(_Sampling):
     top_logprobs: Annotated[int, Field(strict=True, ge=0, le=20)] | None = None
     # Functions the model may call (``edgespec.head.tools``), whether it must, and whether
     # it may make several calls in one answer.
-    tools: Annotated[list[_Tool], Field(max_length=128)] | None = None
-    tool_choice: Literal["none", "auto", "required"] | _NamedChoice | None = None
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedChoice | None = None
     parallel_tool_calls: Annotated[bool, Field(strict=True)] | None = None
     # text, json_object or json_schema (``Grammar.from_response_format`` checks it).
     response_format: Any = None
@@ -192,10 +195,7 @@ class _CompletionRequest(_Sampling):
 
 #: One clear line per field, instead of pydantic's per-branch union messages.
 _FIELD_HELP = {
-    "temperature": "'temperature' must be a number between 0 and 2",
-    "top_p": "'top_p' must be a number greater than 0 and at most 1",
-    "top_k": "'top_k' must be an integer >= 0 (0 = off)",
-    "seed": "'seed' must be a 64-bit integer",
+    **{k.name: f"'{k.name}' must be {k.rule()}" for k in fields.FIELDS},
     "max_tokens": "'max_tokens' must be an integer >= 1",
     "top_logprobs": "'top_logprobs' must be an integer from 0 to 20",
     "max_completion_tokens": "'max_completion_tokens' must be an integer >= 1",
@@ -208,10 +208,6 @@ _FIELD_HELP = {
     "tool_choice": "'tool_choice' must be \"none\", \"auto\", \"required\" or {\"type\": "
                    "\"function\", \"function\": {\"name\": ...}}",
     "parallel_tool_calls": "'parallel_tool_calls' must be true or false",
-    "frequency_penalty": "'frequency_penalty' must be a number between -2 and 2",
-    "presence_penalty": "'presence_penalty' must be a number between -2 and 2",
-    "repeat_penalty": "'repeat_penalty' must be a number greater than 0 and at most 10 "
-                      "(1 = off)",
     "regex": "'regex' must be a non-empty string (a regular expression the answer matches)",
     "grammar": "'grammar' must be a non-empty string (a GBNF grammar the answer follows)",
     "prompt": "'prompt' must be a non-empty string (or a list of one)",
@@ -229,12 +225,12 @@ _FIELD_HELP = {
 
 def _path(loc: tuple[int | str, ...]) -> str:
     """A field's place as the caller wrote it (``messages[0].name``), without pydantic's
-    union-branch labels (``list[_TextPart]``, ``_NamedChoice``: never names of fields)."""
+    union-branch labels (``list[_TextPart]``, ``NamedChoice``: never names of fields)."""
     out = ""
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part.isidentifier() and not part.startswith("_"):
+        elif part.isidentifier() and not part.startswith("_") and not part[:1].isupper():
             out += f".{part}" if out else part
     return out
 
@@ -290,7 +286,7 @@ def parse_request(body: bytes | dict[str, Any], chat: bool) -> _ChatRequest | _C
     return req
 
 
-def _check_messages(messages: list[_Message]) -> None:
+def _check_messages(messages: list[Message]) -> None:
     """What the types leave open: content is null only in an assistant turn with calls,
     calls are an assistant's, and a tool result names its call."""
     for i, m in enumerate(messages):
@@ -312,12 +308,12 @@ def _check_tools(req: _ChatRequest) -> None:
         dup = next(n for n in names if names.count(n) > 1)
         raise _BadRequest(f"'tools' names function {dup!r} twice", "tools")
     choice = req.tool_choice
-    if choice != "required" and not isinstance(choice, _NamedChoice):
+    if choice != "required" and not isinstance(choice, NamedChoice):
         return
     if not tools:
         raise _BadRequest("'tool_choice' asks for a call but there are no 'tools'",
                           "tool_choice")
-    if isinstance(choice, _NamedChoice) and choice.function.name not in names:
+    if isinstance(choice, NamedChoice) and choice.function.name not in names:
         raise _BadRequest(f"'tool_choice' names function {choice.function.name!r}, which is "
                           "not in 'tools'", "tool_choice")
 
@@ -341,9 +337,9 @@ def _grammar(req: _Sampling) -> Grammar | None:
     if tool_names(req) is None:
         return answer
     choice = req.tool_choice
-    if isinstance(choice, _NamedChoice):
+    if isinstance(choice, NamedChoice):
         choice = choice.model_dump()
-    tools = tool_grammar(_tool_dicts(req), choice or "auto",
+    tools = tool_grammar(tool_dicts(req), choice or "auto",
                          parallel=req.parallel_tool_calls is not False,
                          answer=None if answer is None else json.loads(answer.source))
     return tools if tools is not None else answer
@@ -366,16 +362,12 @@ def generation_params(req: _Sampling | dict[str, Any], default_max_tokens: int
     asked = req.max_tokens if req.max_tokens is not None else req.max_completion_tokens
     stop = req.stop if req.stop is not None else ()
     try:
+        # OpenAI's default temperature is 1; every other field's is the table's.
+        knobs = {"temperature": 1.0, **{k.name: v for k in fields.FIELDS
+                                        if (v := getattr(req, k.name)) is not None}}
         return GenerationParams(
-            grammar=_grammar(req),
-            frequency_penalty=req.frequency_penalty or 0.0,
-            presence_penalty=req.presence_penalty or 0.0,
-            repeat_penalty=1.0 if req.repeat_penalty is None else req.repeat_penalty,
+            grammar=_grammar(req), **knobs,
             max_tokens=default_max_tokens if asked is None else asked,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=0 if req.top_k is None else req.top_k,
-            seed=0 if req.seed is None else req.seed,
             stop=(stop,) if isinstance(stop, str) else tuple(stop),
             spec=req.spec, ignore_eos=bool(req.ignore_eos), logit_bias=req.logit_bias,
             logprobs=_logprobs(req))

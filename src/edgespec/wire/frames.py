@@ -3,7 +3,7 @@
 A batch enters the ring as a TOKENS frame (head -> first stage) and moves on as HIDDEN frames
 (stage -> stage); the last stage answers with a RESULT frame (target token per wanted row).
 Rows carry their tree node ids (NODES) so that pruning can drop them anywhere on the way, and
-the KV operations to apply before the batch (KV_OPS). Sampling settings and the wanted rows
+the KV operations to apply before the batch (KV_OPS). The ``SamplerRef`` and the wanted rows
 ride in META.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from edgespec._native import core as _core
-from edgespec.batch import Batch, Result, Sampling, SeqIds, TargetScores
+from edgespec.batch import Batch, Result, SamplerRef, SeqIds, TargetScores
 from edgespec.laps import now, stamps_from_meta
 from edgespec.tree.kvop import KvOp, KvOpCode
 from edgespec.wire.codec import (
@@ -120,7 +120,7 @@ def frame_batch(frame: Any) -> tuple[Batch, np.ndarray | None, int, dict]:
                       SeqIds._of(ids, counts), np.arange(n, dtype=np.int32) if nodes is None
                       else nodes, want, lap=frame.header.lap_id,
                       segment=frame.header.segment_id, pre_ops=ops,
-                      sampling=Sampling.from_meta(meta.get("sampling", {})))
+                      sampling=SamplerRef.from_meta(meta.get("sampling", {})))
         stage = int(meta.get("stage", 0))
     except (ValueError, TypeError, AttributeError) as e:  # a hostile META
         raise WireError(f"bad batch: {e}") from None
@@ -156,7 +156,7 @@ def message_batch(msg: Message) -> tuple[Batch, np.ndarray | None, int]:
     batch = Batch(np.asarray(tokens), np.asarray(msg[FieldTag.POSITIONS]),
                   SeqIds.from_bool_matrix(msg[FieldTag.SEQ_IDS], remember=True), np.asarray(nodes), want,
                   lap=msg.lap_id, segment=msg.segment_id, pre_ops=ops,
-                  sampling=Sampling.from_meta(meta.get("sampling", {})))
+                  sampling=SamplerRef.from_meta(meta.get("sampling", {})))
     hidden = msg.fields.get(FieldTag.HIDDEN) if msg.kind == Kind.HIDDEN else None
     return batch, hidden, int(meta.get("stage", 0))
 

@@ -33,7 +33,9 @@ from typing import NamedTuple
 
 #: 2: sealed frames (AEAD instead of a MAC), node ids exchanged only after the key proofs.
 #: 3: lap-timing stamps in META are integer microseconds (were float seconds).
-PROTOCOL_VERSION = 3
+#: 4: META.sampling names a request's sampler registered at the last stage (a ``SamplerRef``:
+#: key, registration once, text added); KV_OPS' META.release frees it.
+PROTOCOL_VERSION = 4
 MAGIC = b"eS"
 HEADER = struct.Struct("<2sBBHHIIIQI")
 HEADER_SIZE = HEADER.size  # 32

@@ -14,9 +14,9 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from edgespec.batch import Sampling
 from edgespec.head.engine.inflight import TreeInFlight
 from edgespec.head.engine.mode import Mode
+from edgespec.sampling import SamplerSettings
 from edgespec.tree import core
 from edgespec.tree.kvop import KvOp, KvOpCode
 
@@ -40,7 +40,7 @@ class FlowMode(Mode):
     #: subtree: siblings were wasted rows more often than saved laps (docs/experiments.md 3).
     AHEAD_CHAIN = True
 
-    def steps(self, root: int, sampling: Sampling) -> Iterator[list[int]]:
+    def steps(self, root: int, sampling: SamplerSettings) -> Iterator[list[int]]:
         ctx, policy = self.ctx, self.ctx.policy
         stale = ctx.stale  # lap -> results still to come from decided trees
         while True:
@@ -161,7 +161,7 @@ class FlowMode(Mode):
         need = 1.0 - (1.0 - self.AHEAD_MIN_P) * (1.0 - self.AHEAD_SHARED) ** (ctx.sharers() - 1)
         return max(1, min(ctx.max_depth, int(math.log(need) / math.log(a))))
 
-    def draft_ahead(self, rnd: TreeInFlight, sampling: Sampling, seg: int) -> bool:
+    def draft_ahead(self, rnd: TreeInFlight, sampling: SamplerSettings, seg: int) -> bool:
         """Draft up to ``seg`` more nodes below the step's accepted frontier and send them as
         one segment, unless enough unverified rows are in flight already or the caller wants
         no more tokens than those could give. False when nothing was sent."""

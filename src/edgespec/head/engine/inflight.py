@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from edgespec.batch import Result, Sampling, TargetScores
+from edgespec.batch import Result, TargetScores
+from edgespec.sampling import SamplerSettings
 from edgespec.tree import core
 
 
@@ -38,7 +39,7 @@ class TreeInFlight:
                 self.scores[node] = (res.scores, i)
 
 
-def sampling_config(s: Sampling) -> core.SamplerConfig:
-    return core.SamplerConfig(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                              seed=s.seed & 0xFFFFFFFFFFFFFFFF)
-
+def sampling_config(s: SamplerSettings) -> core.SamplerConfig:
+    """The verifier's settings: it walks targets the last stage drew (``feed_targets``), so
+    only greedy or not and the seed matter to it."""
+    return core.SamplerConfig(temperature=s.temperature, seed=s.seed)

@@ -16,13 +16,13 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 if TYPE_CHECKING:
-    from edgespec.batch import Sampling
     from edgespec.drafters.base import Drafter, DraftTree
     from edgespec.head.chain import Chain
     from edgespec.head.engine.inflight import TreeInFlight
     from edgespec.head.engine.policy import TreePolicy
     from edgespec.head.engine.scores import ScoreQueue
     from edgespec.head.engine.stats import GenerationStats
+    from edgespec.sampling import SamplerSettings
     from edgespec.tree import core
     from edgespec.tree.kvop import KvOp
 
@@ -48,14 +48,14 @@ class StepContext(Protocol):
     def sharers(self) -> int:
         """Requests decoding on the ring now, this one included."""
 
-    def plain_step(self, root: int, sampling: Sampling, tell_drafter: bool = True
+    def plain_step(self, root: int, sampling: SamplerSettings, tell_drafter: bool = True
                    ) -> list[int]:
         """One token, no tree: a lap with the root's row alone."""
 
-    def new_tree(self, root: int, sampling: Sampling, budget: int) -> TreeInFlight:
+    def new_tree(self, root: int, sampling: SamplerSettings, budget: int) -> TreeInFlight:
         """A tree of at most ``budget`` drafted nodes below ``root``, not sent yet."""
 
-    def send_rows(self, rnd: TreeInFlight, sampling: Sampling, n_segments: int) -> None:
+    def send_rows(self, rnd: TreeInFlight, sampling: SamplerSettings, n_segments: int) -> None:
         """Send the tree's rows not sent yet, as ``n_segments`` batches."""
 
     def finish_tree(self, rnd: TreeInFlight, decision: core.Decision) -> list[int]:
@@ -89,5 +89,5 @@ class Mode:
     def __init__(self, ctx: StepContext) -> None:
         self.ctx = ctx
 
-    def steps(self, root: int, sampling: Sampling) -> Iterator[list[int]]:
+    def steps(self, root: int, sampling: SamplerSettings) -> Iterator[list[int]]:
         raise NotImplementedError

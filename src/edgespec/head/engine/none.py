@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from edgespec.batch import Sampling
 from edgespec.head.engine.mode import Mode
+from edgespec.sampling import SamplerSettings
 
 
 class NoneMode(Mode):
@@ -15,7 +15,7 @@ class NoneMode(Mode):
     summary = "plain pipelined decoding, one token per lap of the ring"
     needs_drafter = False
 
-    def steps(self, root: int, sampling: Sampling) -> Iterator[list[int]]:
+    def steps(self, root: int, sampling: SamplerSettings) -> Iterator[list[int]]:
         while True:
             gained = self.ctx.plain_step(root, sampling, tell_drafter=False)
             root = gained[-1]

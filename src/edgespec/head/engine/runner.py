@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from edgespec.batch import Batch, Sampling, SeqIds
+from edgespec.batch import Batch, SamplerRef, SeqIds
 from edgespec.drafters.base import Drafter, DraftTree
 from edgespec.drafters.constrained import constrained_drafter
 from edgespec.head.chain import Chain
@@ -39,8 +39,10 @@ from edgespec.head.engine.gain import GainMeter, RingRates
 from edgespec.head.engine.inflight import TreeInFlight, sampling_config
 from edgespec.head.engine.policy import TreePolicy
 from edgespec.head.engine.registry import MODES, resolve
+from edgespec.head.engine.sampler import SamplerHandle
 from edgespec.head.engine.scores import ScoreQueue
 from edgespec.head.engine.stats import GenerationStats
+from edgespec.sampling import SamplerSettings
 from edgespec.tree import core
 from edgespec.tree.kvop import KvOp, KvOpCode
 
@@ -61,8 +63,10 @@ class SpecEngine:
         config = config or EngineConfig()
         # The head's llama.cpp model (a vocabulary is enough): grammars' matchers for drafting.
         self.vocab = vocab
-        # Where the generated text starts in ``history`` (``Sampling.for_rows``).
+        # Where the generated text starts in ``history``, and the generation's sampler at
+        # the last stage (``SamplerHandle``).
         self._text_start = 0
+        self.sampler = SamplerHandle(SamplerSettings())
         self.chain = chain
         # Tree leaves at most (each owns a seq id 1..max_seqs): a slot of a ring serving
         # several sequences owns fewer seq ids (edgespec.head.slots).
@@ -170,6 +174,7 @@ class SpecEngine:
         self._text_start = len(prompt) - replay
         self.stats = GenerationStats(mode=mode, prompt_tokens=len(prompt))
         self.scores = ScoreQueue(sampling.logprobs >= 0)
+        self.sampler = SamplerHandle(sampling)
         self.policy.begin()
         t0 = time.perf_counter()
         t_start = t0 if t_start is None else t_start
@@ -228,11 +233,19 @@ class SpecEngine:
                 # Close the step generator now (not at garbage collection): a step cut
                 # short registers its batches in flight, which are drained right after.
                 steps.close()
-                self._flush_ops()
+                # The request's sampler at the last stage goes with the last KV operations.
+                self._flush_ops(release=[self.sampler.key] if self.sampler.key else ())
+            elif self.sampler.key:
+                # Best effort on a chain that may be gone (a rebuilt ring's replay
+                # registers again; an unreleased sampler ages out at the last stage).
+                try:
+                    self.chain.kv((), [self.sampler.key])
+                except Exception:
+                    log.debug("sampler of a failed generation not released", exc_info=True)
 
     # ------------------------------------------------------------------ prefill
 
-    def _steps(self, mode: str, root: int, first: int, sampling: Sampling
+    def _steps(self, mode: str, root: int, first: int, sampling: SamplerSettings
                ) -> Iterator[list[int]]:
         """The prefill's token (``root`` committed), then the mode's steps below it."""
         self.stats.steps += 1
@@ -248,7 +261,7 @@ class SpecEngine:
     SHARED_PREFILL_CHUNK = 64
 
     def _prefill(self, prompt: list[int], singles: int = 0, want_root: bool = False,
-                 sampling: Sampling | None = None, root_alone: bool = False,
+                 sampling: SamplerSettings | None = None, root_alone: bool = False,
                  while_waiting: Callable[[], None] | None = None) -> tuple[int, int | None]:
         """Bring KV sequence 0 to ``prompt[:-1]``, reusing the longest common prefix with what
         is already committed; returns the root (the last prompt token) and None. The last
@@ -295,8 +308,8 @@ class SpecEngine:
                 want[-1] = True
             self._submit(Batch(np.array(part, np.int32), pos, SeqIds.single(n),
                                np.arange(n, dtype=np.int32), want, lap=self._new_lap(),
-                               sampling=(sampling.for_rows(prompt[self._text_start:])
-                                         if last and sampling else Sampling())))
+                               sampling=(self.sampler.register(prompt[self._text_start:])
+                                         if last and sampling is not None else SamplerRef())))
         res = None
         try:
             if while_waiting is not None:
@@ -345,25 +358,22 @@ class SpecEngine:
             self.stale[res.lap] -= 1
         self.stale.clear()
 
-    def _flush_ops(self) -> None:
+    def _flush_ops(self, release: Sequence[int] = ()) -> None:
         self.drain_stale()
-        if self.pending_ops:
-            ops, self.pending_ops = self.pending_ops, []
-            self.chain.kv(ops)
+        ops, self.pending_ops = self.pending_ops, []
+        if ops or release:
+            self.chain.kv(ops, release)
 
-    def _for_rows(self, sampling: Sampling, root: int, parents: Sequence[int] = (),
-                  tokens: Sequence[int] = ()) -> Sampling:
-        """``sampling`` with the generated text up to ``root`` and the tree, where a row's
-        distribution depends on them (``Sampling.for_rows``); as it is, without copying the
-        history, where it does not."""
-        if not sampling.follows_text:
-            return sampling
-        return sampling.for_rows([*self.history[self._text_start:], root], parents, tokens)
+    def _for_rows(self, root: int, parents: Sequence[int] = (),
+                  tokens: Sequence[int] = ()) -> SamplerRef:
+        """What a batch of the step below ``root`` (its tree: ``parents``, ``tokens``) tells
+        the last stage's sampler (``SamplerHandle.ref``)."""
+        return self.sampler.ref(self.history, self._text_start, root, (parents, tokens))
 
     def _commit(self, tokens: Sequence[int]) -> None:
         self.history.extend(int(t) for t in tokens)
 
-    def plain_step(self, root: int, sampling: Sampling, tell_drafter: bool = True
+    def plain_step(self, root: int, sampling: SamplerSettings, tell_drafter: bool = True
                    ) -> list[int]:
         """One token, no tree: mode ``none``'s step, and a tree mode's when its policy found
         that a tree does not pay right now (then the drafter still learns the token)."""
@@ -372,7 +382,7 @@ class SpecEngine:
         t = time.perf_counter()
         self._submit(Batch(np.array([root], np.int32), np.array([pos], np.int32),
                            SeqIds.single(1), np.zeros(1, np.int32), np.ones(1, bool),
-                           lap=self._new_lap(), sampling=self._for_rows(sampling, root)))
+                           lap=self._new_lap(), sampling=self._for_rows(root)))
         res = self.chain.next_result()
         self.stats.lap_timing.got(res)
         waited = time.perf_counter() - t
@@ -415,7 +425,7 @@ class SpecEngine:
         parents = np.where(dt.parents < 0, under_node, -(dt.parents.astype(np.int64) + 1))
         tree.add_nodes(parents.astype(np.int32), dt.tokens, dt.logprobs.astype(np.float64))
 
-    def new_tree(self, root: int, sampling: Sampling, budget: int) -> TreeInFlight:
+    def new_tree(self, root: int, sampling: SamplerSettings, budget: int) -> TreeInFlight:
         assert self.drafter is not None
         tree = core.TokenTree(root, len(self.history), self.max_seqs)
         td = time.perf_counter()
@@ -430,7 +440,7 @@ class SpecEngine:
         tree.select(budget)
         return TreeInFlight(self._new_lap(), tree, None, t0=time.perf_counter())
 
-    def send_rows(self, rnd: TreeInFlight, sampling: Sampling, n_segments: int) -> None:
+    def send_rows(self, rnd: TreeInFlight, sampling: SamplerSettings, n_segments: int) -> None:
         """Place the tree's pending nodes as rows and send them as ``n_segments`` segments."""
         ordered = rnd.tree.order()
         start, stop = int(ordered.start), int(ordered.stop)
@@ -444,8 +454,7 @@ class SpecEngine:
             rnd.verifier.extend(tokens_all[start:stop], parents_all[start:stop], start)
         kv = KvOp.rows(ordered.ops)
         # Each row's distribution may depend on its path (a grammar, penalties).
-        sampling = self._for_rows(sampling, int(rnd.tree.root_token), parents_all[:stop],
-                                  tokens_all[:stop])
+        ref = self._for_rows(int(rnd.tree.root_token), parents_all[:stop], tokens_all[:stop])
         count = max(1, min(n_segments, stop - start))
         bounds = rnd.tree.segment_bounds(count=count, start=start, stop=stop).tolist()
         for a, b in zip(bounds[:-1], bounds[1:], strict=True):
@@ -457,7 +466,7 @@ class SpecEngine:
             rnd.seg_rows[seg] = (a, b)
             self._submit(Batch(lay.tokens, lay.pos, seq_ids, np.arange(a, b, dtype=np.int32),
                                np.ones(b - a, bool), lap=rnd.lap, segment=seg, pre_ops=kv,
-                               sampling=sampling))
+                               sampling=ref))
             kv = []
             if self.listeners:
                 self.emit({"e": "rows", "lap": rnd.lap, "segment": seg, "rows": list(zip(

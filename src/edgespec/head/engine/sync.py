@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
-from edgespec.batch import Sampling
 from edgespec.head.engine.mode import Mode
+from edgespec.sampling import SamplerSettings
 from edgespec.tree import core
 
 
@@ -17,7 +17,7 @@ class SyncMode(Mode):
     name = "sync"
     summary = "one drafted tree per lap, verified whole when it returns"
 
-    def steps(self, root: int, sampling: Sampling) -> Iterator[list[int]]:
+    def steps(self, root: int, sampling: SamplerSettings) -> Iterator[list[int]]:
         ctx, policy = self.ctx, self.ctx.policy
         while True:
             users = ctx.sharers()
