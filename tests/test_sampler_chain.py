@@ -31,6 +31,7 @@ CASES: dict[str, dict] = {
     "presence_penalty": {"presence_penalty": -0.6},
     "repeat_last_n": {"repeat_last_n": 3, "frequency_penalty": 1.0, "repeat_penalty": 1.3},
     "top_k": {"top_k": 9},
+    "typical_p": {"typical_p": 0.6},
     "top_p": {"top_p": 0.7},
     "min_p": {"min_p": 0.08},
     "temperature": {"temperature": 0.6},
@@ -38,7 +39,7 @@ CASES: dict[str, dict] = {
 }
 
 ALL = {"repeat_penalty": 1.2, "frequency_penalty": 0.3, "presence_penalty": 0.2,
-       "repeat_last_n": 5, "top_k": 60, "top_p": 0.9, "min_p": 0.01,
+       "repeat_last_n": 5, "top_k": 60, "typical_p": 0.95, "top_p": 0.9, "min_p": 0.01,
        "temperature": 0.8, "seed": 3}
 
 

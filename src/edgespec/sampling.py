@@ -77,7 +77,7 @@ def _num(x: float) -> str:
 REPEAT_LAST_N = 64
 
 #: The sampler chain's numeric fields, in the order the chain applies them (llama.cpp's
-#: ``common_sampler`` order: penalties, top-k, top-p, min-p, temperature; the draw
+#: ``common_sampler`` order: penalties, top-k, typical, top-p, min-p, temperature; the draw
 #: is seeded). ``edgespec.node.sampler`` has one stage per row.
 FIELDS: tuple[Knob, ...] = (
     Knob("repeat_penalty", float, 1.0, 0.0, 10.0, low_open=True, means="1 = off",
@@ -94,6 +94,9 @@ FIELDS: tuple[Knob, ...] = (
          help="how many of the last generated tokens the three penalties look at"),
     Knob("top_k", int, 0, 0, (1 << 31) - 1, means="0 = off",
          help="keep only the k most likely tokens"),
+    Knob("typical_p", float, 1.0, 0.0, 1.0, low_open=True, means="1 = off",
+         help="locally typical sampling: keep the tokens whose surprise is closest to the "
+              "distribution's entropy, up to this probability mass"),
     Knob("top_p", float, 1.0, 0.0, 1.0, low_open=True, means="1 = off",
          help="nucleus sampling: keep the most likely tokens up to this probability mass"),
     Knob("min_p", float, 0.0, 0.0, 1.0, means="0 = off",

@@ -2,7 +2,7 @@
 (docs/design.md 6.11).
 
 One chain, in llama.cpp's ``common_sampler`` order: logit bias, penalties over the last
-``repeat_last_n`` generated tokens, the grammar's mask, then top-k, top-p, min-p,
+``repeat_last_n`` generated tokens, the grammar's mask, then top-k, typical-p, top-p, min-p,
 temperature and a seeded draw (the C++ core's ``sample_rows``: the token at position p is
 drawn with ``uniform(seed, p)``, so a sampled answer is the same whatever tree or mode
 produced it). Log probabilities are read from the same chain, after the mask: the model's
@@ -172,12 +172,12 @@ def probabilities(row: np.ndarray, s: SamplerSettings) -> np.ndarray:
 
 
 def _truncates(s: SamplerSettings) -> bool:
-    return s.top_k > 0 or s.top_p < 1.0 or s.min_p > 0.0
+    return s.top_k > 0 or s.typical_p < 1.0 or s.top_p < 1.0 or s.min_p > 0.0
 
 
 def truncate(row: np.ndarray, s: SamplerSettings) -> np.ndarray:
     """``row`` (float32 logits, masked tokens -inf) with every token the truncating stages
-    drop set to -inf: top-k, top-p, min-p, in that order, each over the tokens
+    drop set to -inf: top-k, typical-p, top-p, min-p, in that order, each over the tokens
     the one before kept, at least one token kept. Temperature comes after them (the draw)."""
     ids = np.flatnonzero(row > -np.inf)
     if len(ids) == 0:
@@ -223,6 +223,18 @@ def _prefix_by(order_key: np.ndarray, mass: np.ndarray, need: float, strict: boo
         m *= 8
 
 
+def _typical_p(ids: np.ndarray, z: np.ndarray, s: SamplerSettings):
+    if s.typical_p >= 1.0 or len(z) == 1:
+        return ids, z
+    p = _probs(z)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        logp = np.log(p)
+        entropy = -float(np.nansum(p * logp))
+        shifted = np.abs(-logp - entropy)
+    keep = _prefix_by(shifted, p, s.typical_p, strict=True)
+    return ids[keep], z[keep]
+
+
 def _top_p(ids: np.ndarray, z: np.ndarray, s: SamplerSettings):
     if s.top_p >= 1.0 or len(z) == 1:
         return ids, z
@@ -238,7 +250,7 @@ def _min_p(ids: np.ndarray, z: np.ndarray, s: SamplerSettings):
 
 
 #: The truncating stages, in the chain's order (``FIELDS``' order).
-_STAGES: tuple[Callable, ...] = (_top_k, _top_p, _min_p)
+_STAGES: tuple[Callable, ...] = (_top_k, _typical_p, _top_p, _min_p)
 
 
 # ------------------------------------------------------------------------------ the registry
