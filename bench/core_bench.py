@@ -149,7 +149,13 @@ def main(argv: list[str] | None = None) -> None:
     scan_reps = max(5, args.reps // 30)
     greedy = core.Verifier()
     sampler = core.Verifier(temperature=0.8, seed=1)
-    filtered = core.Verifier(temperature=0.8, top_k=40, top_p=0.95, seed=1)
+    from edgespec.batch import SamplerRef
+    from edgespec.node.sampler import RequestSampler
+    from edgespec.sampling import SamplerSettings
+
+    chain = RequestSampler(SamplerSettings((("temperature", 0.8), ("top_k", 40),
+                                            ("top_p", 0.95), ("seed", 1))))
+    node0 = np.zeros(1, np.int32)
     pos = np.array([500], np.int32)
     d = greedy.verify(probe, logits)
     scans_us = {
@@ -158,8 +164,8 @@ def main(argv: list[str] | None = None) -> None:
         "sample_1_row_temperature": median_us(
             lambda: sampler.sample_rows(logits[:1], pos), scan_reps
         ),
-        "sample_1_row_topk40_topp095": median_us(
-            lambda: filtered.sample_rows(logits[:1], pos), scan_reps
+        "chain_1_row_topk40_topp095": median_us(
+            lambda: chain.draw(logits[:1], pos, node0, SamplerRef()), scan_reps
         ),
         "verify_whole_tree_greedy_from_logits": median_us(
             lambda: greedy.verify(probe, logits), scan_reps

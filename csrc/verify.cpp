@@ -17,8 +17,6 @@ namespace edgespec {
 void SamplerConfig::validate() const {
     if (!(temperature >= 0.0) || !std::isfinite(temperature))
         throw std::invalid_argument("temperature must be a finite number >= 0");
-    if (top_k < 0) throw std::invalid_argument("top_k must be >= 0 (0 = off)");
-    if (!(top_p > 0.0 && top_p <= 1.0)) throw std::invalid_argument("top_p must be in (0, 1] (1 = off)");
 }
 
 double uniform_at(uint64_t seed, int64_t pos) {
@@ -78,35 +76,7 @@ int32_t argmax_row(const float *row, int64_t n) {
 
 namespace {
 
-struct Scratch {
-    std::vector<int32_t> ids;
-    std::vector<double> w;
-};
-thread_local Scratch scratch;
-
-inline bool logit_before(const float *l, int32_t a, int32_t b) {
-    return l[a] > l[b] || (l[a] == l[b] && a < b);
-}
-
-// Inverse-CDF draw over `ids` (ascending) with weights exp((l - lmax) / T).
-int32_t draw(const float *l, const std::vector<int32_t> &ids, size_t n_ids, double lmax, double temp, double u,
-             std::vector<double> &w) {
-    w.resize(n_ids);
-    double total = 0.0;
-    for (size_t j = 0; j < n_ids; ++j) {
-        w[j] = std::exp((static_cast<double>(l[ids[j]]) - lmax) / temp);
-        total += w[j];
-    }
-    const double target = u * total;
-    double cum = 0.0;
-    int32_t last_pos = -1;
-    for (size_t j = 0; j < n_ids; ++j) {
-        cum += w[j];
-        if (w[j] > 0.0) last_pos = static_cast<int32_t>(j);
-        if (cum > target) return ids[j];
-    }
-    return ids[last_pos < 0 ? 0 : last_pos];
-}
+thread_local std::vector<double> scratch_w;
 
 }  // namespace
 
@@ -122,59 +92,24 @@ int32_t sample_row(const float *row, int64_t n, const SamplerConfig &cfg, int64_
     if (nan) throw std::invalid_argument("NaN in a logits row");
     if (fmax == -std::numeric_limits<float>::infinity())
         throw std::invalid_argument("logits row has no finite value");
-    const double lmax = fmax;
-    const double u = uniform_at(cfg.seed, pos);
-    const bool use_k = cfg.top_k > 0 && cfg.top_k < n;
-    const bool use_p = cfg.top_p < 1.0;
-    auto &ids = scratch.ids;
-    const int64_t n_init = use_k ? cfg.top_k : n;
-    ids.resize(static_cast<size_t>(n_init));
-    for (int64_t i = 0; i < n_init; ++i) ids[i] = static_cast<int32_t>(i);
-    if (!use_k && !use_p) return draw(row, ids, ids.size(), lmax, cfg.temperature, u, scratch.w);
-
-    auto before = [row](int32_t a, int32_t b) { return logit_before(row, a, b); };
-    size_t n_ids = ids.size();
-    if (use_k) {
-        // Heap of the best top_k so far, worst on top: after the first rows few ids beat the worst,
-        // so this is one compare per id (nth_element over the vocabulary was 10x slower).
-        const size_t k = static_cast<size_t>(cfg.top_k);
-        std::make_heap(ids.begin(), ids.begin() + k, before);
-        for (int64_t i = static_cast<int64_t>(k); i < n; ++i) {
-            if (!before(static_cast<int32_t>(i), ids[0])) continue;
-            std::pop_heap(ids.begin(), ids.begin() + k, before);
-            ids[k - 1] = static_cast<int32_t>(i);
-            std::push_heap(ids.begin(), ids.begin() + k, before);
-        }
-        n_ids = k;
-        std::sort(ids.begin(), ids.begin() + n_ids);  // ascending ids
+    // Inverse-CDF draw over all ids in ascending order with weights exp((l - lmax) / T).
+    const double lmax = fmax, temp = cfg.temperature;
+    auto &w = scratch_w;
+    w.resize(static_cast<size_t>(n));
+    double total = 0.0;
+    for (int64_t i = 0; i < n; ++i) {
+        w[i] = std::exp((static_cast<double>(row[i]) - lmax) / temp);
+        total += w[i];
     }
-    if (use_p) {
-        double total = 0.0;
-        for (size_t j = 0; j < n_ids; ++j) total += std::exp(static_cast<double>(row[ids[j]]) - lmax);
-        const double need = cfg.top_p * total;
-        // Sort only as much of the candidates as the nucleus needs: growing partial sorts keep the
-        // already sorted prefix unchanged (the order is total), so accumulation just continues.
-        double cum = 0.0;
-        size_t keep = 0, sorted = 0;
-        while (true) {
-            const size_t k = std::min(n_ids, std::max<size_t>(64, sorted * 8));
-            std::partial_sort(ids.begin(), ids.begin() + k, ids.begin() + n_ids, before);
-            bool done = false;
-            for (; keep < k; ++keep) {
-                cum += std::exp(static_cast<double>(row[ids[keep]]) - lmax);
-                if (cum >= need) {
-                    ++keep;
-                    done = true;
-                    break;
-                }
-            }
-            sorted = k;
-            if (done || k == n_ids) break;
-        }
-        n_ids = std::max<size_t>(keep, 1);
-        std::sort(ids.begin(), ids.begin() + n_ids);
+    const double target = uniform_at(cfg.seed, pos) * total;
+    double cum = 0.0;
+    int64_t last = -1;
+    for (int64_t i = 0; i < n; ++i) {
+        cum += w[i];
+        if (w[i] > 0.0) last = i;
+        if (cum > target) return static_cast<int32_t>(i);
     }
-    return draw(row, ids, n_ids, lmax, cfg.temperature, u, scratch.w);
+    return static_cast<int32_t>(last < 0 ? 0 : last);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -342,19 +277,16 @@ void bind_verify(py::module_ &m) {
     m.attr("PENDING") = static_cast<int>(PENDING);
 
     py::class_<SamplerConfig>(m, "SamplerConfig")
-        .def(py::init([](double temperature, int32_t top_k, double top_p, uint64_t seed) {
-                 SamplerConfig c{temperature, top_k, top_p, seed};
+        .def(py::init([](double temperature, uint64_t seed) {
+                 SamplerConfig c{temperature, seed};
                  c.validate();
                  return c;
              }),
-             py::arg("temperature") = 0.0, py::arg("top_k") = 0, py::arg("top_p") = 1.0, py::arg("seed") = 0)
+             py::arg("temperature") = 0.0, py::arg("seed") = 0)
         .def_readonly("temperature", &SamplerConfig::temperature)
-        .def_readonly("top_k", &SamplerConfig::top_k)
-        .def_readonly("top_p", &SamplerConfig::top_p)
         .def_readonly("seed", &SamplerConfig::seed)
         .def("__repr__", [](const SamplerConfig &c) {
-            return "SamplerConfig(temperature=" + std::to_string(c.temperature) + ", top_k=" +
-                   std::to_string(c.top_k) + ", top_p=" + std::to_string(c.top_p) + ", seed=" +
+            return "SamplerConfig(temperature=" + std::to_string(c.temperature) + ", seed=" +
                    std::to_string(c.seed) + ")";
         });
 

@@ -6,12 +6,10 @@
 //   stream seeded with `seed`, as a double in [0, 1) (top 53 bits). Keying draws by position makes
 //   the output identical to plain sampling with the same seed, whatever the draft tree was.
 // * temperature == 0: argmax (lowest id among equal maxima; NaN never wins).
-// * Otherwise (NaN logits are an error; llama.cpp's filter order, top-k then top-p, then temperature):
-//   K = the top_k ids by (logit desc, id asc) when 0 < top_k < vocab, else all ids;
-//   if top_p < 1: e_i = exp(l_i - lmax); total = sum of e over K in ascending id order; walk K in
-//   (logit desc, id asc) order accumulating e, keep the shortest prefix with cum >= top_p * total;
-//   then over the kept ids in ascending id order: w_i = exp((l_i - lmax) / T), S = sum w,
-//   pick the first id with cumulative w > u * S (else the last id with w > 0). All in double.
+// * Otherwise (NaN logits are an error): over all ids in ascending id order, w_i = exp((l_i - lmax) / T),
+//   S = sum w, pick the first id with cumulative w > u * S (else the last id with w > 0). All in double.
+//   Truncation (top-k, typical-p, top-p, min-p) is the sampler chain's, before the draw
+//   (src/edgespec/node/sampler.py): a token it dropped comes here with logit -inf and weighs 0.
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -20,8 +18,6 @@ namespace edgespec {
 
 struct SamplerConfig {
     double temperature = 0.0;  // 0 = greedy
-    int32_t top_k = 0;         // 0 = off
-    double top_p = 1.0;        // 1 = off
     uint64_t seed = 0;
     void validate() const;
 };

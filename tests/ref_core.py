@@ -40,8 +40,6 @@ def argmax(row: np.ndarray) -> int:
 @dataclass(frozen=True)
 class Config:
     temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
     seed: int = 0
 
 
@@ -63,20 +61,7 @@ def sample(row: np.ndarray, cfg: Config, pos: int) -> int:
     if lmax == -math.inf:
         raise ValueError("logits row has no finite value")
     u = uniform(cfg.seed, pos)
-    n = len(vals)
-    ids = list(range(n))
-    if 0 < cfg.top_k < n:
-        ids = sorted(sorted(range(n), key=lambda i: (-vals[i], i))[: cfg.top_k])
-    if cfg.top_p < 1.0:
-        total = _seq_sum([math.exp(vals[i] - lmax) for i in ids])
-        ranked = sorted(ids, key=lambda i: (-vals[i], i))
-        keep, cum = len(ranked), 0.0
-        for j, i in enumerate(ranked):
-            cum += math.exp(vals[i] - lmax)
-            if cum >= cfg.top_p * total:
-                keep = j + 1
-                break
-        ids = sorted(ranked[: max(keep, 1)])
+    ids = list(range(len(vals)))
     w = [math.exp((vals[i] - lmax) / cfg.temperature) for i in ids]
     target = u * _seq_sum(w)
     cum, last = 0.0, -1

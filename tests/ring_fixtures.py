@@ -108,7 +108,7 @@ def assert_same_sampled(got: Sequence[int], ref: Sequence[int], model_path: Path
     k = _first_difference(got, ref, what)
     seq = list(prompt) + list(ref[:k])
     logits = _unsplit_logits(model_path, seq)
-    sampler = core.Verifier(temperature, 0, 1.0, seed & 0xFFFFFFFFFFFFFFFF)
+    sampler = core.Verifier(temperature, seed & 0xFFFFFFFFFFFFFFFF)
     pos = np.array([len(seq) - 1], np.int32)
 
     def draw(z: np.ndarray) -> int:

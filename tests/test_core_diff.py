@@ -34,11 +34,11 @@ def scenarios(draw):
     greedy = draw(st.booleans())
     cfg = ref.Config(
         temperature=0.0 if greedy else draw(st.sampled_from([0.4, 1.0, 1.7])),
-        top_k=draw(st.sampled_from([0, 0, 1, 2, 3, 50])),
-        top_p=draw(st.sampled_from([1.0, 1.0, 0.9, 0.5, 0.1])),
         seed=draw(st.integers(0, 2**64 - 1)),
     )
     return {
+        # Tokens the sampler chain dropped (-inf logits) in some scenarios.
+        "dropped": draw(st.sampled_from([0.0, 0.0, 0.3, 0.8])),
         "vocab": vocab,
         "root_token": draw(st.integers(0, vocab - 1)),
         "root_pos": draw(st.integers(0, 5000)),
@@ -138,7 +138,10 @@ def test_core_matches_reference(sc):
 
     rng = np.random.default_rng(sc["logit_seed"])
     logits = (np.round(rng.normal(0, 2, size=(n, sc["vocab"])) * 2) / 2).astype(np.float32)
-    verifier = core.Verifier(cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed)
+    drop = rng.random(logits.shape) < sc["dropped"]
+    drop[np.arange(n), logits.argmax(axis=1)] = False  # every row keeps a token
+    logits[drop] = -np.inf
+    verifier = core.Verifier(cfg.temperature, cfg.seed)
     whole = verifier.verify(t, logits)
     tokens, parents = t.structure()
     rv = ref.RefVerification(cfg, t.root_pos, tokens.tolist(), parents.tolist())

@@ -206,7 +206,7 @@ def test_verifier_input_errors():
     with pytest.raises(ValueError, match="NaN"):
         core.Verifier(temperature=1.0).verify(t, np.full((2, 4), np.nan, np.float32))
     with pytest.raises(ValueError):
-        core.Verifier(top_p=0.0)
+        core.Verifier(temperature=-1.0)
     with pytest.raises(ValueError, match="parents-first"):
         core.Verification(core.SamplerConfig(), 0, np.array([0, 1]), np.array([-1, 5]))
 

@@ -27,11 +27,18 @@ CHAIN = {"temperature": 0.8, "top_k": 50, "top_p": 0.95, "min_p": 0.01}
 PROMPT = "# Python\n# A list of common variable names:\nnames = ["
 
 
+#: The chain with its cuts a little wider: a token at the edge of top-p or min-p may be kept
+#: in one batch shape and dropped in another (llama.cpp's quantized kernels round by batch
+#: shape, design.md 3.9), so a draw is checked against the wider chain's kept set.
+WIDER = {"top_k": CHAIN["top_k"] + 5, "top_p": min(1.0, CHAIN["top_p"] + 0.02),
+         "min_p": CHAIN["min_p"] * 0.5}
+
+
 def _target_distribution(model_path, prompt: list[int], generated: list[int] = (),
-                         penalties: dict | None = None) -> np.ndarray:
+                         penalties: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The unsplit model's next-token distribution after ``prompt`` and ``generated`` as
     llama.cpp's own sampler chain defines it (``llama_sampler_ref``): the penalties of the
-    generated text, then ``CHAIN``'s stages."""
+    generated text, then ``CHAIN``'s stages; and the same with the ``WIDER`` cuts."""
     from llama_sampler_ref import llama_cpp_probs
 
     from edgespec.node.runtime import StageRuntime
@@ -40,7 +47,9 @@ def _target_distribution(model_path, prompt: list[int], generated: list[int] = (
     with StageRuntime(model_path, n_ctx=512, n_threads=1) as rt:
         rt.forward(np.asarray(text[:-1], np.int32), 0)
         logits = rt.forward(np.asarray(text[-1:], np.int32), len(text) - 1)[-1].copy()
-    return llama_cpp_probs(logits, window=list(generated), **CHAIN, **(penalties or {}))
+    extra = {"window": list(generated), **(penalties or {})}
+    return (llama_cpp_probs(logits, **CHAIN, **extra),
+            llama_cpp_probs(logits, **{**CHAIN, **WIDER}, **extra))
 
 
 @pytest.fixture(scope="module")
@@ -79,9 +88,9 @@ def _pooled(counts: np.ndarray, expected: np.ndarray) -> tuple[np.ndarray, np.nd
 def test_first_token_follows_the_unsplit_models_distribution(first_tokens, real_model_path,
                                                              mode):
     prompt, draws = first_tokens
-    p = _target_distribution(real_model_path, prompt)
+    p, wider = _target_distribution(real_model_path, prompt)
     counts = np.bincount(draws[mode], minlength=len(p)).astype(float)
-    assert counts[p == 0].sum() == 0, "a token outside what the chain keeps was drawn"
+    assert counts[wider == 0].sum() == 0, "a token outside what the chain keeps was drawn"
     obs, exp = _pooled(counts, p * DRAWS)
     assert len(obs) >= 4, "the prompt must leave several likely tokens to compare"
     assert stats.chisquare(obs, exp).pvalue > 1e-3
@@ -127,12 +136,12 @@ def _next_follows(model_path, prompt, draws, start: list[int]) -> int:
     distribution there; the number of modes compared (none where the next token is all but
     certain)."""
     k = len(start)
-    p = _target_distribution(model_path, prompt, start, PENALTIES)
+    p, wider = _target_distribution(model_path, prompt, start, PENALTIES)
     compared = 0
     for mode, d in draws.items():
         nexts = d[(d[:, :k] == start).all(axis=1), k]
         counts = np.bincount(nexts, minlength=len(p)).astype(float)
-        assert counts[p == 0].sum() == 0, (mode, start)
+        assert counts[wider == 0].sum() == 0, (mode, start)
         obs, exp = _pooled(counts, p * len(nexts))
         if len(obs) >= 3:
             assert stats.chisquare(obs, exp).pvalue > 1e-3, (mode, start)

@@ -79,7 +79,7 @@ class RequestSampler:
             targets = core.argmax_rows(z)
         else:
             kept = np.stack([truncate(row, s) for row in z]) if _truncates(s) else z
-            draw = core.Verifier(s.temperature, 0, 1.0, s.seed)
+            draw = core.Verifier(s.temperature, s.seed)
             targets = draw.sample_rows(np.ascontiguousarray(kept, dtype=np.float32), pos)
         if s.logprobs < 0:
             return targets, None

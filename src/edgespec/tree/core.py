@@ -28,8 +28,10 @@ Contracts (identical in tests/ref_core.py, checked side by side):
   ``CP`` = llama_memory_seq_cp(seq, arg, p0, p1), ``RM`` = llama_memory_seq_rm(seq, p0, p1),
   ``KEEP`` = llama_memory_seq_keep(seq) (``KvOp.rows`` reads them). Apply them in order before
   decoding any later row.
-* **Verification** draws the target's token at each visited node (argmax, or seeded sampling with
-  temperature / top-k / top-p; the draw for sequence position p uses ``uniform(seed, p)``, so the
+* **Verification** draws the target's token at each visited node (argmax, or a seeded draw at a
+  temperature from logits the sampler chain truncated, ``edgespec.node.sampler``; on a ring the
+  last stage draws and ``feed_targets`` takes them; the draw for sequence position p uses
+  ``uniform(seed, p)``, so the
   output equals plain sampling with the same seed whatever the tree). Child holding it: descend;
   an unprocessed child holding it: PENDING; none: ACCEPTED with it as the bonus token.
 * **Plans.** ``commit`` (ACCEPTED): ``CP(x -> 0, root_pos, pos(n) + 1)``, ``KEEP(0)``; the
@@ -176,12 +178,11 @@ class TokenTree(_core.TokenTree):
 
 
 class Verifier:
-    """Verification settings: greedy (temperature 0) or seeded sampling with top-k / top-p."""
+    """Verification settings: greedy (temperature 0) or a seeded draw at a temperature from
+    logits the sampler chain already truncated (``edgespec.node.sampler``)."""
 
-    def __init__(
-        self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0
-    ) -> None:
-        self.config = SamplerConfig(temperature, top_k, top_p, seed)
+    def __init__(self, temperature: float = 0.0, seed: int = 0) -> None:
+        self.config = SamplerConfig(temperature, seed)
 
     def start(self, tree: TokenTree) -> Verification:
         """A step-wise verification of the placed rows of ``tree``."""
