@@ -10,6 +10,8 @@ whatever the batch; a registration's settings survive the wire.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from llama_sampler_ref import llama_cpp_probs
@@ -144,3 +146,78 @@ def test_settings_survive_the_wire_and_bounds_are_the_tables():
         if bad is not None:
             with pytest.raises(ValueError, match=k.name):
                 SamplerSettings.from_meta({k.name: bad})
+
+
+def test_a_requests_sampler_lives_from_its_first_batch_to_its_end(tmp_path):
+    """On a ring, a request's sampler is registered at the last stage by its first batch and
+    released when it ends: finished, cut short by the caller, or failed at the stage."""
+    from tinygguf import make_tiny_gguf
+
+    from edgespec.api import Ring
+
+    tiny = make_tiny_gguf(tmp_path / "tiny.gguf", "qwen2", n_layer=2, n_embd=64, seed=4)
+    with Ring.local(tiny, stages=2, processes=False, n_ctx=256) as ring:
+        samplers = ring.chain.worker.samplers
+        kw = {"temperature": 0.7, "frequency_penalty": 0.5, "top_k": 20, "seed": 1}
+        for mode in ("none", "sync", "flow"):
+            ring.generate([1, 2, 3], max_tokens=12, spec=mode, ignore_eos=True, **kw)
+            assert len(samplers) == 0, mode
+            stream = ring.stream([1, 2, 3], max_tokens=40, spec=mode, ignore_eos=True, **kw)
+            next(iter(stream))
+            assert len(samplers) == 1, mode
+            stream.close()
+            assert len(samplers) == 0, mode
+        ring.generate([1, 2, 3], max_tokens=5)  # plain greedy: nothing registered
+        assert len(samplers) == 0
+
+
+def test_node_processes_release_a_requests_sampler_in_ring_order(tmp_path):
+    """Over real node processes the release travels the ring behind the request's last KV
+    operations; the last node's health shows the samplers it holds."""
+    from tinygguf import make_tiny_gguf
+
+    from edgespec.api import Ring
+
+    tiny = make_tiny_gguf(tmp_path / "tiny.gguf", "qwen2", n_layer=2, n_embd=64, seed=4)
+
+    def held(ring) -> int:
+        return sum(st["samplers"] for m in ring.chain.members
+                   for st in m.request("health", timeout=10).meta["stages"].values())
+
+    with Ring.local(tiny, stages=2, n_ctx=256) as ring:
+        kw = {"temperature": 0.7, "presence_penalty": 0.5, "seed": 2}
+        stream = ring.stream([1, 2, 3], max_tokens=40, spec="none", ignore_eos=True, **kw)
+        next(iter(stream))
+        assert held(ring) == 1
+        stream.close()
+        ring.generate([1, 2, 3], max_tokens=8, spec="flow", ignore_eos=True, **kw)
+        deadline = time.monotonic() + 10
+        while held(ring) and time.monotonic() < deadline:  # the release is on its way
+            time.sleep(0.05)
+        assert held(ring) == 0
+
+
+def test_a_replay_registers_the_sampler_on_the_rebuilt_ring(tmp_path):
+    """The node holding a request's sampler (the last stage) is killed mid-answer: the rebuilt
+    ring's new last stage gets the settings and the text so far with the replay, and the
+    seeded, penalised answer is the one a ring without the fault gives."""
+    import os
+    import signal
+
+    from tinygguf import make_tiny_gguf
+
+    from edgespec.api import Ring
+
+    tiny = make_tiny_gguf(tmp_path / "tiny.gguf", "qwen2", n_layer=3, n_embd=64, seed=5)
+    kw = {"max_tokens": 48, "spec": "none", "ignore_eos": True, "temperature": 0.9,
+          "top_k": 30, "min_p": 0.02, "frequency_penalty": 0.7, "repeat_last_n": 16, "seed": 9}
+    with Ring.local(tiny, stages=3, n_ctx=256) as ring:
+        reference = ring.generate([5, 6, 7], **kw)
+        ring.reset()
+        stream = ring.stream([5, 6, 7], **kw)
+        for seen, _piece in enumerate(stream, start=1):
+            if seen == 12:
+                os.kill(ring.local_nodes.procs[2].pid, signal.SIGKILL)
+        gen = stream.result
+        assert gen.stats.recoveries == 1 and ring.chain.n_stages == 2
+        assert gen.tokens == reference.tokens

@@ -248,13 +248,9 @@ class StageLoop:
         """Run one item of a stage (a batch or KV operations) and pass the result on."""
         kind, a, b = item
         try:
-            if kind == "kv":
-                hosted.worker.apply_ops(a)
-                self._send_on(hosted, "kv", (a, b))
-                return
-            if kind == "release":  # requests that ended: their samplers at the last stage
-                hosted.worker.release(a)
-                self._send_on(hosted, "release", (a, b))
+            if kind in ("kv", "release"):  # release: samplers of requests that ended
+                (hosted.worker.apply_ops if kind == "kv" else hosted.worker.release)(a)
+                self._send_on(hosted, kind, (a, b))
                 return
             stamp = a.timing[-1] if a.timing else [hosted.stage, 0, 0, 0, 0]
             stamp[2], cpu = now(), cpu_now()
@@ -382,15 +378,12 @@ class StageLoop:
             raise _LinkLost(f"stage {hosted.stage} on {self.name} has no live link to the next "
                             f"stage ({hosted.next_stage}); the ring must be linked again")
         try:
-            if kind == "kv":
-                ops, lap = payload
-                conn.send(Message(Kind.KV_OPS, {FieldTag.KV_OPS: list(ops),
-                                                 FieldTag.META: {"stage": hosted.next_stage}},
+            if kind in ("kv", "release"):
+                items, lap = payload
+                ops, meta = ((list(items), {"stage": hosted.next_stage}) if kind == "kv" else
+                             ([], {"stage": hosted.next_stage, "release": list(items)}))
+                conn.send(Message(Kind.KV_OPS, {FieldTag.KV_OPS: ops, FieldTag.META: meta},
                                   lap_id=int(lap or 0)))
-            elif kind == "release":
-                keys, lap = payload
-                conn.send(Message(Kind.KV_OPS, {FieldTag.KV_OPS: [], FieldTag.META: {
-                    "stage": hosted.next_stage, "release": list(keys)}}, lap_id=int(lap or 0)))
             else:
                 batch, hidden = payload
                 send_batch(conn, batch, hidden, hosted.encoding, hosted.next_stage, batch.timing)

@@ -249,6 +249,7 @@ class StageHealth(_Model):
     next_stage: StrictInt
     is_last: StrictBool
     gpu_layers: StrictInt | None = None  # the window's layers on the GPU (n_gpu_layers)
+    samplers: StrictInt = 0  # last stage: requests' samplers registered (node/sampler.py)
 
 
 class HealthReply(Reply):
