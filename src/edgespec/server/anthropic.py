@@ -34,7 +34,7 @@ from edgespec.server.doors import (
     unsupported,
 )
 from edgespec.server.replies import _failure, _failure_message
-from edgespec.server.requests import _BadRequest
+from edgespec.server.requests import _BadRequest, knob_type
 from edgespec.server.runs import Runs, Started, _Piece, cut_off, streamed
 
 _Str = Annotated[str, Field(strict=True)]
@@ -132,8 +132,8 @@ class _Request(BaseModel):
     system: _Str | list[_Text] | None = None
     stop_sequences: list[_Str] | None = None
     temperature: Annotated[float, Field(strict=True, ge=0.0, le=1.0)] | None = None
-    top_p: Annotated[float, Field(strict=True, gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(strict=True, ge=0)] | None = None
+    top_p: knob_type("top_p") = None
+    top_k: knob_type("top_k") = None
     stream: Annotated[bool, Field(strict=True)] = False
     tools: list[_Tool] | None = None
     tool_choice: _Choice | None = None

@@ -105,8 +105,10 @@ class _StreamOptions(BaseModel):
     include_obfuscation: Any = None
 
 
-def _knob_type(k: Any) -> Any:
-    """A ``FIELDS`` row as a strict, bounded pydantic type (bounds from the table)."""
+def knob_type(name: str) -> Any:
+    """A ``FIELDS`` row as a strict, bounded, optional pydantic type (bounds from the table);
+    the other doors take their fields of the same name by it."""
+    k = fields.BY_NAME[name]
     bounds = {"gt" if k.low_open else "ge": k.kind(k.low), "le": k.kind(k.high)}
     return Annotated[_Float if k.kind is float else _Int, Field(**bounds)] | None
 
@@ -114,7 +116,7 @@ def _knob_type(k: Any) -> Any:
 #: The sampler chain's fields (``edgespec.sampling.FIELDS``), each optional (null: the
 #: default), with the table's bounds.
 _SamplerFields = create_model("_SamplerFields", __config__=ConfigDict(extra="forbid"),
-                              **{k.name: (_knob_type(k), None) for k in fields.FIELDS})
+                              **{k.name: (knob_type(k.name), None) for k in fields.FIELDS})
 
 
 class _Sampling(_SamplerFields):  # type: ignore[misc, valid-type]

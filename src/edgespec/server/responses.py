@@ -34,7 +34,7 @@ from edgespec.server.doors import (
     unsupported,
 )
 from edgespec.server.replies import _error, _failure, _failure_message
-from edgespec.server.requests import _BadRequest, _is, _refuse_unsupported
+from edgespec.server.requests import _BadRequest, _is, _refuse_unsupported, knob_type
 from edgespec.server.runs import Runs, Started, _Piece, cut_off, streamed
 
 _Str = Annotated[str, Field(strict=True)]
@@ -92,8 +92,8 @@ class _Request(BaseModel):
     input: _Str | list[dict[_Str, Any]]
     instructions: _Str | None = None
     max_output_tokens: Annotated[int, Field(strict=True, ge=1)] | None = None
-    temperature: Annotated[float, Field(strict=True, ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Field(strict=True, gt=0.0, le=1.0)] | None = None
+    temperature: knob_type("temperature") = None
+    top_p: knob_type("top_p") = None
     tools: list[_Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | _Named | None = None
     parallel_tool_calls: Annotated[bool, Field(strict=True)] | None = None
