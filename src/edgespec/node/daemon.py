@@ -229,8 +229,7 @@ class Node(StageLoop):
             stages[s.stage] = ctl.StageHealth(
                 range=s.layer_range, batches=s.batches, merged=s.merged, busy_s=round(s.busy_s, 3),
                 queued=s.inbox.qsize(), next=link, next_stage=s.next_stage, is_last=s.is_last,
-                gpu_layers=getattr(s.runtime, "n_gpu_layers", None),
-                samplers=len(s.worker.samplers) if s.worker.samplers is not None else 0)
+                gpu_layers=getattr(s.runtime, "n_gpu_layers", None), samplers=len(s.worker.samplers or ()))
         return ctl.HealthReply(
             node_id=self.node_id, name=self.name, version=__version__, proto=PROTOCOL_VERSION,
             free_ram=free_ram_bytes(), **offload.device_report().as_dict(),
