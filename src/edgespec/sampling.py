@@ -16,9 +16,8 @@ Neutral ground like ``edgespec.batch``: the head, the server, the CLI and the no
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,10 +120,6 @@ MAX_GRAMMAR = 1 << 20
 MAX_TEXT = 1 << 17
 
 
-def defaults() -> dict[str, int | float]:
-    return {k.name: k.default for k in FIELDS}
-
-
 def with_fields(cls: type) -> type:
     """Class decorator (under ``@dataclass``): add every ``FIELDS`` row as a field with its
     default, so a dataclass takes them by name (``GenerationParams(min_p=0.05)``)."""
@@ -181,14 +176,12 @@ class SamplerSettings:
         full = {k.name: k.check(given.get(k.name, k.default)) for k in FIELDS}
         full["seed"] = int(full["seed"]) % (1 << 64)
         object.__setattr__(self, "values", tuple(full.items()))
+        object.__setattr__(self, "_by_name", full)  # the chain reads fields on every draw
 
     def __getattr__(self, name: str) -> Any:
         if name in BY_NAME:
-            return dict(self.values)[name]
+            return self._by_name[name]
         raise AttributeError(name)
-
-    def items(self) -> Iterator[tuple[str, int | float]]:
-        return iter(self.values)
 
     @property
     def greedy(self) -> bool:
@@ -239,6 +232,11 @@ class SamplerSettings:
         return cls(values, bias, logprobs, grammar)
 
 
+#: The settings that ask for nothing: the plain greedy draw (a batch's key 0, nothing
+#: registered at the last stage).
+PLAIN_GREEDY = SamplerSettings()
+
+
 def check_bias(value: Any) -> tuple[tuple[int, float], ...]:
     """A logit bias (a mapping of token ids, ints or their decimal strings, to values in
     [-100, 100], or a list of pairs) as sorted (id, value) pairs; ``RequestError`` naming
@@ -280,10 +278,3 @@ def check_logprobs(value: Any) -> int:
                            f"(alternatives per token), got {value!r}", "logprobs")
     return value
 
-
-def replace(settings: SamplerSettings, **changes: Any) -> SamplerSettings:
-    """``settings`` with some ``FIELDS`` values (or bias/logprobs/grammar) changed."""
-    values = dict(settings.values)
-    other = {k: changes.pop(k) for k in ("bias", "logprobs", "grammar") if k in changes}
-    values.update(changes)
-    return dataclasses.replace(settings, values=tuple(values.items()), **other)

@@ -33,12 +33,9 @@ from typing import Any
 import numpy as np
 
 from edgespec.batch import SamplerRef, TargetScores
-from edgespec.sampling import SamplerSettings
+from edgespec.sampling import PLAIN_GREEDY, SamplerSettings
 
 log = logging.getLogger("edgespec")
-
-#: Sampling of key 0: the plain greedy draw.
-GREEDY = SamplerSettings()
 
 
 class RequestSampler:
@@ -51,6 +48,7 @@ class RequestSampler:
         s = settings
         self._bias_ids = np.fromiter((t for t, _ in s.bias), np.int64, len(s.bias))
         self._bias_values = np.fromiter((v for _, v in s.bias), np.float32, len(s.bias))
+        self._draw = None if s.greedy else _core().Verifier(s.temperature, s.seed)
 
     def take_text(self, ref: SamplerRef) -> None:
         """Bring the generated text up to ``ref.text_len`` with the tokens the batch carries
@@ -69,18 +67,15 @@ class RequestSampler:
              ) -> tuple[np.ndarray, TargetScores | None]:
         """Targets of ``logits`` (wanted rows x vocabulary), at positions ``pos``, rows of
         tree nodes ``nodes``; with their ``TargetScores`` when the request asked."""
-        from edgespec.tree import core
-
         s = self.settings
         paths = (ref.paths(self.text[:ref.text_len], nodes.tolist()) if s.follows_text
                  else None)
         z = self.shape(logits, paths, ref.text_len)
-        if s.greedy:
-            targets = core.argmax_rows(z)
+        if self._draw is None:
+            targets = _core().argmax_rows(z)
         else:
             kept = np.stack([truncate(row, s) for row in z]) if _truncates(s) else z
-            draw = core.Verifier(s.temperature, s.seed)
-            targets = draw.sample_rows(np.ascontiguousarray(kept, dtype=np.float32), pos)
+            targets = self._draw.sample_rows(np.ascontiguousarray(kept, dtype=np.float32), pos)
         if s.logprobs < 0:
             return targets, None
         return targets, TargetScores.of(z, targets, s.logprobs)
@@ -117,8 +112,6 @@ class RequestSampler:
         follow it (llguidance's limits), the batch fails rather than go on unconstrained."""
         from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
-        from edgespec.tree import core
-
         follower = self.follower
         mask = allocate_token_bitmask(len(paths), z.shape[1])
         # Tree order is parents first: walking the rows in it moves the matcher least.
@@ -131,7 +124,13 @@ class RequestSampler:
                 mask[i] = -1  # outside the grammar: never accepted, any target will do
                 continue
             fill_next_token_bitmask(follower.matcher, mask, i)
-        core.mask_rows(z, mask)
+        _core().mask_rows(z, mask)
+
+
+def _core():
+    from edgespec.tree import core  # the C++ core, loaded where a draw first needs it
+
+    return core
 
 
 # ----------------------------------------------------------------------------- the stages
@@ -273,7 +272,7 @@ class SamplerStates:
         self._states: collections.OrderedDict[int, RequestSampler] = collections.OrderedDict()
         self._idle: collections.OrderedDict[str, list[Any]] = collections.OrderedDict()
         self._lock = threading.Lock()  # releases come from the node's reader threads
-        self._greedy = RequestSampler(GREEDY)
+        self._greedy = RequestSampler(PLAIN_GREEDY)
 
     def __len__(self) -> int:
         return len(self._states)

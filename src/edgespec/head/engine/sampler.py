@@ -9,10 +9,7 @@ import secrets
 from collections.abc import Sequence
 
 from edgespec.batch import SamplerRef
-from edgespec.sampling import SamplerSettings
-
-#: The settings the last stage draws with when a batch names no request (key 0).
-PLAIN_GREEDY = SamplerSettings()
+from edgespec.sampling import PLAIN_GREEDY, SamplerSettings
 
 
 class SamplerHandle:
