@@ -375,7 +375,8 @@ def _set_budget(ring: Any, budget: int | None) -> None:
 
 def run_ring(ring: Any, counters, prompts: list[list[int]], n_tokens: int, hop: str,
              drafter: str, modes: Sequence[str], budgets: Sequence[int | None],
-             clients: Sequence[int], record, log, client_reps: int = 1) -> None:
+             clients: Sequence[int], record, log, client_reps: int = 1,
+             long_prompt: Sequence[int] = (), long_settle_s: float = 10.0) -> None:
     """Every prompt through every mode and budget on one ring (one drafter, one link), one
     client at a time; then each client count above one, every mode."""
     n_nodes = len(ring.chain.members)
@@ -416,17 +417,106 @@ def run_ring(ring: Any, counters, prompts: list[list[int]], n_tokens: int, hop: 
             continue
         # Each rep runs every mode once, the order rotating, so the host's drift over the
         # minutes a batch takes hits every mode alike.
+        # The same requests one after another in mode none (``SEQUENTIAL``): what one
+        # client gets, prefill included, the base of the concurrent rows' ``x_seq``.
+        plan = [SEQUENTIAL, *order] if "none" in modes else order
         for rep in range(client_reps):
-            for mode in order[rep % len(order):] + order[:rep % len(order)]:
-                res = run_clients(ring, prompts, n_tokens, mode, c)
+            for mode in plan[rep % len(plan):] + plan[:rep % len(plan)]:
+                res = (run_sequential(ring, prompts, n_tokens, c) if mode == SEQUENTIAL
+                       else run_clients(ring, prompts, n_tokens, mode, c))
                 for r in res["requests"]:
-                    record({"mode": mode, "drafter": "-" if mode == "none" else drafter,
-                            "budget": "-" if mode == "none" else "auto", "link": hop,
-                            "clients": c, "rep": rep, "wall_s": res["wall_s"], **r,
-                            "load_avg_1m": round(os.getloadavg()[0], 2)})
+                    record({"mode": mode, "drafter": "-" if mode in ("none", SEQUENTIAL)
+                            else drafter,
+                            "budget": "-" if mode in ("none", SEQUENTIAL) else "auto",
+                            "link": hop, "clients": c, "rep": rep, "wall_s": res["wall_s"],
+                            **r, "load_avg_1m": round(os.getloadavg()[0], 2)})
                 toks = sum(r["n_tokens"] for r in res["requests"])
                 log(f"  {c} clients {mode:<5} rep {rep} {toks / res['wall_s']:7.2f} tok/s "
                     f"aggregate")
+    if long_prompt:
+        streams = max(1, max(clients) - 1)
+        res = run_long_prefill(ring, prompts, list(long_prompt), streams, long_settle_s)
+        record({"long_prefill": True, "link": hop, "streams": streams, **res})
+        log(f"  {streams} streams beside a {len(long_prompt)}-token prefill: gap p95 "
+            f"{res['gap_ms_p95_with']:.0f} ms (without {res['gap_ms_p95_without']:.0f}), "
+            f"prefill {res['prefill_s']:.1f} s")
+
+
+def run_long_prefill(ring: Any, prompts: list[list[int]], long_prompt: list[int],
+                     streams: int, settle_s: float = 10.0) -> dict[str, Any]:
+    """``streams`` answers streaming in mode none, then a request with ``long_prompt``
+    beside them: the gaps between the streams' pieces while its prefill runs against those
+    in the ``settle_s`` before it (p50/p95), and how long the prefill took."""
+    import threading
+
+    ring.reset()
+    arrivals: list[list[float]] = [[] for _ in range(streams)]
+    stop = threading.Event()
+    started = threading.Barrier(streams + 1)
+
+    def stream(i: int) -> None:
+        p = prompts[i % len(prompts)]
+        s = ring.stream_tokens(p, max_tokens=ring.slot_ctx - len(p) - 1, spec="none",
+                               ignore_eos=True)
+        try:
+            for k, _piece in enumerate(s):
+                arrivals[i].append(time.perf_counter())
+                if k == 3:
+                    started.wait()
+                if stop.is_set():
+                    break
+        finally:
+            s.close()
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(streams)]
+    for t in threads:
+        t.start()
+    started.wait()
+    time.sleep(settle_s)
+    t0 = time.perf_counter()
+    g = ring.generate(long_prompt, max_tokens=1, spec="none")
+    t1 = time.perf_counter()
+    time.sleep(2.0)
+    stop.set()
+    for t in threads:
+        t.join()
+
+    def gaps(a: float, b: float) -> list[float]:
+        return [(y - x) * 1e3 for arr in arrivals for x, y in zip(arr, arr[1:], strict=False)
+                if a <= y <= b]
+
+    with_, without = gaps(t0, t1), gaps(t0 - settle_s, t0)
+    return {"long_prompt_tokens": len(long_prompt), "prefill_s": round(t1 - t0, 2),
+            "ttft_ms": g.stats.ttft_ms,
+            "gap_ms_p50_without": round(_percentile(without, 0.5) or 0, 1),
+            "gap_ms_p95_without": round(_percentile(without, 0.95) or 0, 1),
+            "gap_ms_p50_with": round(_percentile(with_, 0.5) or 0, 1),
+            "gap_ms_p95_with": round(_percentile(with_, 0.95) or 0, 1),
+            "gaps_without": len(without), "gaps_with": len(with_)}
+
+
+#: The mode label of ``run_sequential``'s rows: mode none, one request at a time.
+SEQUENTIAL = "none-seq"
+
+
+def run_sequential(ring: Any, prompts: list[list[int]], n_tokens: int, clients: int
+                   ) -> dict[str, Any]:
+    """The requests of ``run_clients`` one after another in mode none, from an empty cache
+    (prefill included): what one client at a time gets of the ring."""
+    ring.reset()
+    out = []
+    t_all = time.perf_counter()
+    for i in range(clients):
+        p = prompts[i % len(prompts)]
+        t0 = time.perf_counter()
+        stream = ring.stream_tokens(p, max_tokens=n_tokens, spec="none", ignore_eos=True)
+        arrivals = [time.perf_counter() - t0 for _piece in stream]
+        g = stream.result
+        out.append({"prompt": i % len(prompts), "tokens": g.tokens,
+                    "n_tokens": len(g.tokens), "stats": g.stats.as_dict(),
+                    "arrivals_s": [round(a, 4) for a in arrivals],
+                    "elapsed_s": round(time.perf_counter() - t0, 3)})
+    return {"wall_s": round(time.perf_counter() - t_all, 3), "requests": out}
 
 
 def run_clients(ring: Any, prompts: list[list[int]], n_tokens: int, mode: str,
@@ -554,6 +644,13 @@ def aggregate(runs: list[dict[str, Any]], host: dict[str, Any]) -> list[dict[str
         base = none_at.get((r["link"], r["clients"]))
         r["x_none"] = round(r["tokens_per_s"] / base, 3) if base else None
         r["x_single"] = round(r["tokens_per_s"] / single, 3) if single else None
+    # Several clients at once against the same requests one after another (prefill included).
+    seq_at = {(r["link"], r["clients"]): r["tokens_per_s"] for r in rows
+              if r["mode"] == SEQUENTIAL}
+    for r in rows:
+        base = seq_at.get((r["link"], r["clients"]))
+        if r["clients"] > 1 and r["mode"] != SEQUENTIAL and base:
+            r["x_seq"] = round(r["tokens_per_s"] / base, 3)
     # One client: the spread of the ratio over prompts (each prompt's modes ran back to back).
     rate = {(g["mode"], g["drafter"], str(g["budget"]), g["link"], g["prompt"]):
             g["stats"]["tokens_per_s"] for g in runs if g.get("clients", 1) == 1
@@ -580,7 +677,7 @@ def aggregate(runs: list[dict[str, Any]], host: dict[str, Any]) -> list[dict[str
                   if k[:3] == (r["mode"], r["link"], r["clients"]) and ("none", *k[1:]) in batch]
         if len(ratios) > 1:
             r["x_none_range"] = [round(min(ratios), 3), round(max(ratios), 3)]
-    order = {"single": 0, "none": 1, "sync": 2, "flow": 3, "auto": 4}
+    order = {"single": 0, SEQUENTIAL: 1, "none": 2, "sync": 3, "flow": 4, "auto": 5}
     rows.sort(key=lambda r: (link_spec(r["link"]).delay_ms if r["link"] != "-" else -1,
                              r["link"], r["clients"], order.get(r["mode"], 9), r["drafter"],
                              str(r["budget"])))
@@ -686,8 +783,8 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = ["| link | clients | mode | drafter | budget | tok/s | ms/tok | laps/tok | tok/step "
-             "| rows/step | B/tok/hop | gap p50/p95 ms | x none | x single | load |",
-             "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| rows/step | B/tok/hop | gap p50/p95 ms | x none | x seq | x single | load |",
+             "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def f(v: Any, fmt: str = "{:.2f}") -> str:
         return "-" if v is None else fmt.format(v)
@@ -703,13 +800,14 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"| {f(r['ms_per_token'], '{:.1f}')} | {f(r.get('laps_per_token'))} | "
             f"{f(r.get('tokens_per_step'))} | {f(r.get('rows_per_step'), '{:.1f}')} | "
             f"{f(r.get('bytes_per_token_per_stage_hop'), '{:,.0f}')} | {gaps} | "
-            f"{f(r['x_none'])}{spread} | {f(r['x_single'])} | {f(r.get('load_avg_1m_mean'))} |")
+            f"{f(r['x_none'])}{spread} | {f(r.get('x_seq'))} | {f(r['x_single'])} | "
+            f"{f(r.get('load_avg_1m_mean'))} |")
     return "\n".join(lines)
 
 
 def write_report(out: Path, prefix: str, rows: list[dict[str, Any]], ident: dict[str, Any],
                  proj: dict[str, Any] | None, settings: dict[str, Any], host: dict[str, Any],
-                 command: str) -> None:
+                 command: str, long_runs: Sequence[dict[str, Any]] = ()) -> None:
     (out / f"{prefix}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     where = settings["where"]
     label = (f"lab: {where['devices']} devices at {where['device_cpu_share']:.0%} of a core, "
@@ -730,7 +828,8 @@ def write_report(out: Path, prefix: str, rows: list[dict[str, Any]], ident: dict
           table(rows), "",
           "tok/s: one client: generated tokens / decode time (prefill excluded), summed over "
           "prompts; several: all their tokens / the wall time from their start to the last "
-          "one's end (prefill included). gap: time between streamed pieces of a client "
+          "one's end (prefill included); none-seq: the same requests one after another in "
+          "mode none, and x seq the several clients' tok/s over it. gap: time between streamed pieces of a client "
           "(accepted tokens arrive in pieces), p50/p95. "
           "laps/tok: ring results consumed per token (flow: one per segment). tok/step: "
           "tokens gained per verified tree (accepted + bonus). rows/step: tree rows sent per "
@@ -775,6 +874,20 @@ def write_report(out: Path, prefix: str, rows: list[dict[str, Any]], ident: dict
             md.append(f"| {r['mode']} | {r['drafter']} | {r['budget']} | {r['link']} | "
                       f"{r['clients']} | "
                       + " | ".join(f"{v:,}" for v in r["bytes_per_token"].values()) + " |")
+    if long_runs:
+        md += ["", "## Streams beside a long prefill", "",
+               "Gaps between the streamed pieces of the answers running (mode none) while a "
+               "request with a long prompt is prefilled, against the same streams' gaps in "
+               "the seconds before it.", "",
+               "| link | streams | prompt tokens | prefill s | gap p50/p95 before ms | "
+               "gap p50/p95 during ms | p95 ratio |", "|---|---:|---:|---:|---:|---:|---:|"]
+        for r in long_runs:
+            ratio = (r["gap_ms_p95_with"] / r["gap_ms_p95_without"]
+                     if r["gap_ms_p95_without"] else float("nan"))
+            md.append(f"| {r['link']} | {r['streams']} | {r['long_prompt_tokens']} | "
+                      f"{r['prefill_s']:.1f} | {r['gap_ms_p50_without']:.0f}/"
+                      f"{r['gap_ms_p95_without']:.0f} | {r['gap_ms_p50_with']:.0f}/"
+                      f"{r['gap_ms_p95_with']:.0f} | {ratio:.2f} |")
     if proj is not None:
         md += ["", "## The lap model", "", projection_mod.markdown(proj["check"],
                                                                   proj.get("devices"))]
@@ -816,7 +929,8 @@ def head_worker(cfg_path: str) -> int:
     with ring:
         run_ring(ring, counters, cfg["prompts"], cfg["n_tokens"], cfg["link"], cfg["drafter"],
                  cfg["modes"], [None if b == "auto" else b for b in cfg["budgets"]],
-                 cfg["clients"], record, log, cfg.get("client_reps", 1))
+                 cfg["clients"], record, log, cfg.get("client_reps", 1),
+                 cfg.get("long_prompt", ()), cfg.get("long_settle_s", 10.0))
     return 0
 
 
@@ -882,6 +996,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--lookup-tokens", type=int, default=0,
                     help="also run single with llama-cpp-python's prompt lookup predicting "
                          "this many tokens (0: not run)")
+    ap.add_argument("--long-prompt", type=int, default=0, metavar="TOKENS",
+                    help="also stream answers beside a request with a prompt this long "
+                         "(HumanEval problems one after another) and report the gaps between "
+                         "their pieces while it is prefilled (0: not run)")
     ap.add_argument("--no-projection", action="store_true")
     ap.add_argument("--out", default="bench/results/")
     ap.add_argument("--name", default=None, help="file name prefix of the outputs (default "
@@ -972,9 +1090,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     with load_model(target, vocab_only=True) as tm:
         tok = Tokenizer(tm)
         prompts = [tok.encode(t["prompt"], add_special=True, parse_special=False) for t in tasks]
-    parallel = max(clients)
+    long_prompt: list[int] = []
+    if args.long_prompt:
+        # HumanEval problems after the measured ones, one after another, cut to the length.
+        with load_model(target, vocab_only=True) as tm:
+            tok = Tokenizer(tm)
+            more = humaneval_prompts(164 - args.prompt_offset - n_prompts,
+                                     args.prompt_offset + n_prompts)
+            for t in more:
+                long_prompt += tok.encode(t["prompt"], add_special=not long_prompt,
+                                          parse_special=False)
+                if len(long_prompt) >= args.long_prompt:
+                    break
+        long_prompt = long_prompt[: args.long_prompt]
+    # One slot more than the streams beside the long prompt (``run_long_prefill``).
+    parallel = max(max(clients), 2 if long_prompt else 1)
     # Every slot holds its longest prompt, its answer, a tree and the warm-up.
-    n_ctx = parallel * (max(len(p) for p in prompts) + n_tokens + 320)
+    n_ctx = parallel * (max([len(p) for p in prompts] + [len(long_prompt)]) + n_tokens + 320)
     settings: dict[str, Any] = {
         "target": target.name, "draft": draft.name if draft else None,
         "stages": stages, "ranges": ranges,
@@ -1025,7 +1157,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    "head_ip": tb.lab.head.address,
                                    "runs_path": str(runs_path.resolve()), "unit": unit,
                                    "ring_path": str(Path(tmp) / "ring.json"),
-                                   "ranges": ranges, "client_reps": args.client_reps}
+                                   "ranges": ranges, "client_reps": args.client_reps,
+                                   "long_prompt": long_prompt,
+                                   "long_settle_s": 2.0 if smoke else 10.0}
                             cfg_path = Path(tmp) / "head.json"
                             cfg_path.write_text(json.dumps(cfg))
                             p = tb.head_popen([sys.executable, "-m", "bench.ring_bench",
@@ -1068,7 +1202,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                       args.threads, n_ctx, engine, parallel)
                     with ring:
                         run_ring(ring, counters, prompts, n_tokens, link, drafter, here,
-                                 budgets, clients, record, log, args.client_reps)
+                                 budgets, clients, record, log, args.client_reps,
+                                 long_prompt, 2.0 if smoke else 10.0)
             if "single" in modes:
                 for lookup in [0] + ([args.lookup_tokens] if args.lookup_tokens else []):
                     res = run_single(target, prompts, n_tokens, args.threads, lookup or None,
@@ -1077,6 +1212,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         (out / f"{prefix}_settings.json").write_text(json.dumps(settings))
         runs = [json.loads(line) for line in runs_path.read_text().splitlines() if line]
 
+    long_runs = [r for r in runs if r.get("long_prefill")]
+    runs = [r for r in runs if not r.get("long_prefill")]
     rows = aggregate(runs, host)
     ident = identity(runs, target, prompts, log)
     for r in rows:
@@ -1098,11 +1235,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             proj["device_sources"] = {k: v["source"]
                                       for k, v in projection_mod.DEVICES.items()}
         (out / f"{prefix}_projection.json").write_text(json.dumps(proj, indent=1))
-    write_report(out, prefix, rows, ident, proj, settings, host, command)
+    write_report(out, prefix, rows, ident, proj, settings, host, command, long_runs)
     summary = {"out": str(out), "prefix": prefix, "where": settings["where"]["where"],
                "elapsed_s": round(time.perf_counter() - t_start, 1),
                "identical": f"{ident['identical']}/{ident['runs']}",
                "all_divergences_near_ties": ident["all_divergences_near_ties"],
+               "x_seq": {config_key(r): r["x_seq"] for r in rows if r.get("x_seq")},
+               "long_prefill": [{k: r[k] for k in ("link", "streams", "prefill_s",
+                                                   "gap_ms_p95_without", "gap_ms_p95_with")}
+                                for r in long_runs],
                "x_none": {config_key(r): r["x_none"] for r in rows
                           if r["mode"] not in ("none", "single")}}
     print(json.dumps(summary))

@@ -56,12 +56,23 @@ def check_rows(rows: list[dict], reps: int = 1) -> None:
 
 def test_all_in_one_smoke_runs_and_says_so(tiny_qwen2, tmp_path):  # noqa: F811
     summary = run_bench(["--where", "local", "--target", str(tiny_qwen2), "--client-reps",
-                         "2"], tmp_path)
+                         "2", "--long-prompt", "48"], tmp_path)
     assert summary["where"] == "all-in-one"
     assert summary["all_divergences_near_ties"], summary
-    check_rows(rows_of(tmp_path), reps=2)
+    rows = rows_of(tmp_path)
+    check_rows(rows, reps=2)
+    # The same two requests one after another, and the two at once measured against it.
+    by = {(r["mode"], r["clients"]): r for r in rows}
+    assert by[("none-seq", 2)]["tokens"] == 2 * 2 * 8
+    assert by[("none", 2)]["x_seq"] == pytest.approx(
+        by[("none", 2)]["tokens_per_s"] / by[("none-seq", 2)]["tokens_per_s"], rel=0.01)
+    # A stream beside a 48-token prefill: its gaps before and during it.
+    (long,) = summary["long_prefill"]
+    assert long["streams"] == 1 and long["prefill_s"] > 0
+    assert {"gap_ms_p95_with", "gap_ms_p95_without"} <= set(long)
     md = (tmp_path / "ring_bench_smoke.md").read_text()
-    assert "ALL-IN-ONE" in md
+    assert "ALL-IN-ONE" in md and "## Streams beside a long prefill" in md
+    assert f"| {long['link']} | 1 | 48 | {long['prefill_s']:.1f} |" in md
 
 
 @pytest.mark.netns
