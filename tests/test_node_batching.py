@@ -353,7 +353,11 @@ def test_gather_lets_other_requests_pass_a_prompts_chunks() -> None:
     assert run(chunks[0], [*chunks[1:], b(2, 9), b(3, 8, n=16), b(1, 10), b(4, 7, n=17)],
                small_first=True) == ([9, 8], [1, 2, 3, 10, 7])
     assert run(chunks[0], [kv, b(2, 9)], small_first=True) == ([1], [kv, 9])
-    assert run(chunks[0], [b(5, 6, n=20), chunks[1]], small_first=True) == ([1, 6], [2])
+    # One batch of more than 16 rows per decode: another prompt's chunk waits (the two run
+    # one after the other, pipelined across stages); small ones still join the chunk.
+    assert run(chunks[0], [b(5, 6, n=20), chunks[1]], small_first=True) == ([1], [6, 2])
+    assert run(chunks[0], [b(5, 6, n=20), b(2, 9)]) == ([1, 9], [6])
+    assert run(b(2, 9), [b(5, 6, n=20), b(4, 7, n=17), b(3, 8)]) == ([9, 6, 8], [7])
     assert run(b(2, 9), [b(3, 8)], small_first=True) == ([9, 8], [])  # small itself: merges
 
 

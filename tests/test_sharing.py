@@ -86,6 +86,7 @@ def test_prefill_chunks_shrink_while_others_decode_same_tokens(ring) -> None:  #
     prompt = [int(t) for t in rng.integers(3, ring.tokenizer.n_vocab, 300)]
     ref = _prompt(ring)  # any reference continuation: the drafter is right on it or not
     sizes: dict[int, list[int]] = {}
+    ahead: dict[int, list[int]] = {1: [], 3: []}
     outs = {}
     for k in (1, 3):
         engine = SpecEngine(ring.chain, n_ctx=1024,
@@ -94,8 +95,9 @@ def test_prefill_chunks_shrink_while_others_decode_same_tokens(ring) -> None:  #
         sent: list[int] = []
         submit = engine.chain.submit
 
-        def spy(batch, submit=submit, sent=sent):
+        def spy(batch, submit=submit, sent=sent, engine=engine, owed=ahead[k]):
             sent.append(len(batch))
+            owed.append(engine.owed)  # results still to come when it is sent
             submit(batch)
 
         engine.chain.submit = spy
@@ -110,11 +112,15 @@ def test_prefill_chunks_shrink_while_others_decode_same_tokens(ring) -> None:  #
     # 300 prompt tokens: chunks of 256 + 44 alone; of 64 (4 full, then 44) with others
     assert sizes[1][:2] == [256, 44]
     assert sizes[3][:5] == [64, 64, 64, 64, 44]
+    # Alone every chunk goes at once; beside others one per stage at most is in flight.
+    assert ahead[1][:2] == [0, 1]
+    n_stages = ring.chain.n_stages
+    assert max(ahead[3][:5]) == n_stages - 1 and ahead[3][:n_stages] == list(range(n_stages))
 
 
 def test_stream_dropped_unfinished_frees_its_slot_without_gc(tiny_target) -> None:  # noqa: F811
     """A caller that stops reading a stream and drops it (a ``break``, a thread that ends)
-    frees its slot at once: nothing waits for the garbage collector."""
+    frees its slot on the ring's next round: nothing waits for the garbage collector."""
     import gc
 
     from edgespec.api import Ring
@@ -127,7 +133,7 @@ def test_stream_dropped_unfinished_frees_its_slot_without_gc(tiny_target) -> Non
             next(stream)
             assert two.scheduler.busy() == 1
             del stream
-            assert two.scheduler.busy() == 0
+            assert two.scheduler.wait_idle(10) and two.scheduler.busy() == 0
         finally:
             gc.enable()
         two.reset()  # takes every slot in turn: would wait forever on a held one

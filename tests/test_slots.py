@@ -19,10 +19,10 @@ import time
 import pytest
 from ring_fixtures import assert_same_greedy, assert_same_sampled
 
-from edgespec.api import Ring
+from edgespec.api import Prepared, Ring
 from edgespec.errors import RingBusy
 from edgespec.head.slots import Demux, SlotChain
-from edgespec.params import GenerationParams, Prepared
+from edgespec.params import GenerationParams
 from edgespec.seqs import slot_width
 from edgespec.tree.kvop import KvOp, KvOpCode
 
@@ -123,14 +123,14 @@ def local2(real_model_path):
 
 
 def test_parallel_one_is_todays_head_and_slots_divide_the_ring(local2):
-    """parallel=1: the one engine drives the chain itself (no slot machinery in the way);
+    """parallel=1: the one engine's view passes everything through to the chain unchanged;
     parallel=4: each engine its own slot chain, a quarter of the context, 63 tree seqs."""
     from edgespec.head.engine.runner import SpecEngine
     from edgespec.tree import core
 
     chain, tok = local2.chain, local2.tokenizer
     one = Ring(chain, tok, model_name="t", n_ctx=2048)
-    assert one.parallel == 1 and one.scheduler.demux is None and one.engine.chain is chain
+    assert one.parallel == 1 and one.engine.chain.whole and one.engine.chain.demux.chain is chain
     assert one.engine.max_seqs == core.MAX_SEQS and one.engine.n_ctx == 2048
     four = Ring(chain, tok, model_name="t", n_ctx=2048, parallel=4, max_queue=0)
     engines = [s.engine for s in four.scheduler.slots]
@@ -346,9 +346,9 @@ def test_a_failed_request_ends_alone(ring4, real_model_path):
         # Past every check of the head, to the stages: a bias the last stage refuses (a
         # token outside the vocabulary, which ``Ring.prepare`` would have refused).
         params = GenerationParams(max_tokens=4, temperature=1.0, logit_bias={10**6: 1.0})
-        with ring.scheduler.acquire(bad) as slot, pytest.raises(StageFailure,
-                                                                match="vocabulary"):
-            for _ in slot.session.tokens(Prepared(bad, params, "none")):
+        stream = ring.stream_prepared(Prepared(bad, params, "none"))
+        with pytest.raises(StageFailure, match="vocabulary"):
+            for _ in stream:
                 pass
         return None
 

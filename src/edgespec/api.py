@@ -14,22 +14,23 @@ each in a slot of its own (``edgespec.head.slots``): its own range of KV sequenc
 committed history. The KV cache is reused across calls, so a prompt that extends a slot's
 history (a chat's next turn) only prefills its new tokens.
 
-A bad request raises ``RequestError`` before anything is sent. The failures of the ring under
-a generation are its ``edgespec.head.session.Session``'s: a stage that fails this request
-raises ``StageFailure`` after the ring was resynchronised (the next request starts clean,
-nothing is rebuilt); a lost node makes it re-form the ring and replay the generation, at most
-``MAX_RECOVERIES`` times in a row, with backoff, before it gives up with ``RingError``.
+A bad request raises ``RequestError`` before anything is sent. Every request runs on the
+ring's loop (``edgespec.head.loop``), which also owns the ring's failures: a stage that fails
+a request raises ``StageFailure`` after its slot was resynchronised (its next request starts
+clean, nothing is rebuilt); a lost node makes it re-form the ring and replay every running
+generation, at most ``MAX_RECOVERIES`` times in a row, with backoff, before it gives up with
+``RingError``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import queue
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,59 +42,84 @@ from edgespec.head.engine import EngineConfig, GenerationStats, SpecEngine
 from edgespec.head.engine.cost import CostModel
 from edgespec.head.engine.gain import RingRates
 from edgespec.head.engine.registry import AUTO, MODES, SPEC_MODES
+from edgespec.head.loop import RingLoop
 from edgespec.head.output import OutputProcessor, TokenLogprob
+from edgespec.head.request import END, Generation, Request
 from edgespec.head.scheduler import Scheduler, Ticket
-from edgespec.head.session import Session
-from edgespec.params import GenerationParams, Prepared
+from edgespec.params import GenerationParams
 from edgespec.seqs import N_SEQ, slot_width
 
 log = logging.getLogger("edgespec")
 
 
-@dataclass
-class Generation:
-    """The result of one generation."""
+#: What ``Ring.prepare`` returns (a request checked against the ring, not yet streamed).
+Prepared = Request
 
-    text: str
-    tokens: list[int]
-    stats: GenerationStats
-    #: "stop" (end of generation or a stop sequence), "length" (max_tokens) or "cancelled"
-    #: (its ``cancel`` event was set before either).
-    finish_reason: str
-    #: The max_tokens actually used when the one asked for did not fit in the context left
-    #: after the prompt (llama.cpp's rule: cap, don't fail); None when it fitted.
-    capped_max_tokens: int | None = None
-    #: With ``logprobs``: each token's log probability and the most likely tokens' there
-    #: (``TokenLogprob``, one per token of ``tokens``); None when not asked for.
-    logprobs: list[TokenLogprob] | None = None
+__all__ = ["Generation", "Prepared", "Request", "Ring", "TextStream", "TokenLogprob"]
 
 
 class TextStream:
-    """Iterator over text pieces as they are accepted; ``.result`` holds the ``Generation``
-    once the iterator is exhausted (or closed)."""
+    """Iterator over a request's text pieces as they are accepted (the ring's loop produces
+    them); ``.result`` holds the ``Generation`` once the iterator is exhausted (or closed).
+    Dropping it unfinished ends the request."""
 
-    def __init__(self, pieces: Iterator[str], ticket: Ticket | None = None) -> None:
-        self._pieces = pieces
-        self._ticket = ticket
-        self.result: Generation | None = None
+    #: How often a reader waiting for a piece checks that the ring's loop still runs.
+    ALIVE_CHECK_S = 1.0
+
+    def __init__(self, request: Request, loop: RingLoop) -> None:
+        self._request = request
+        self._loop = loop
+        self._ended = False
         #: With ``logprobs``: a ``TokenLogprob`` per token accepted so far (it grows as the
         #: pieces come; a streaming server sends the new ones with each piece).
-        self.logprobs: list[TokenLogprob] = []
+        assert request.output is not None
+        self.logprobs: list[TokenLogprob] = request.output.logprobs
+        weakref.finalize(self, _abandon, request, loop)
+
+    @property
+    def result(self) -> Generation | None:
+        return self._request.result
 
     def __iter__(self) -> Iterator[str]:
         return self
 
     def __next__(self) -> str:
-        return next(self._pieces)
+        if self._ended:
+            raise StopIteration
+        while True:
+            try:
+                item = self._request.outbox.get(timeout=self.ALIVE_CHECK_S)
+            except queue.Empty:
+                if not self._loop.alive:
+                    self._ended = True
+                    raise RingError("the ring's loop has stopped") from None
+                continue
+            if item is END:
+                self._ended = True
+                raise StopIteration
+            if isinstance(item, BaseException):
+                self._ended = True
+                raise item
+            return item
 
     def close(self) -> None:
-        """End the generation (freeing its slot), or give up its place in the queue if it
-        never started."""
-        try:
-            self._pieces.close()  # type: ignore[attr-defined]
-        finally:
-            if self._ticket is not None:
-                self._ticket.withdraw()  # a no-op once it was served
+        """End the generation (freeing its slot on the next lap), or give up its place in
+        the queue if it never started; returns once it ended."""
+        req = self._request
+        if req.done.is_set():
+            return
+        req.stop()
+        self._loop.poke()
+        while not req.done.wait(self.ALIVE_CHECK_S):
+            if not self._loop.alive:
+                return
+
+
+def _abandon(request: Request, loop: RingLoop) -> None:
+    """A stream dropped before its end: its request stops at the next lap."""
+    if not request.done.is_set():
+        request.stop()
+        loop.poke()
 
 
 class Ring:
@@ -154,14 +180,14 @@ class Ring:
             return recover(exc)
 
         # The scheduler admits requests, gives them slots and rebuilds the ring once for all
-        # of them after a lost node; each slot's session owns its generation's replay.
-        self.scheduler = Scheduler(chain, make_engine, Session, parallel=parallel,
-                                   max_queue=max_queue,
+        # of them after a lost node; the loop runs them all (and their replays).
+        self.scheduler = Scheduler(chain, make_engine, parallel=parallel, max_queue=max_queue,
                                    recover=recover_chain if recover is not None else None)
         self._drafter = self._drafters[0] if self._drafters else None
         self._last_slot = self.scheduler.slots[0]
-        # Slot 0's engine and session (the only ones when parallel=1).
-        self.engine, self.session = self._last_slot.engine, self._last_slot.session
+        # Slot 0's engine (the only one when parallel=1).
+        self.engine = self._last_slot.engine
+        self.loop = RingLoop(self.scheduler, self._finish)
         self.last: Generation | None = None
         self.local_nodes: Any = None  # set by Ring.local: its node processes
         self.draft_name: str | None = None  # the draft model's file name, if any
@@ -208,7 +234,12 @@ class Ring:
         except ValueError as e:
             raise RequestError(str(e), "nodes") from None
         fn = self._rebalance_fn
-        self.scheduler.rebuild(lambda: fn(extra, profile))
+
+        def rebuild() -> None:
+            self.scheduler.rebuild(lambda: fn(extra, profile))
+            self.loop._reset_slots()
+
+        self.loop.exclusive(rebuild)
 
     @property
     def chain(self) -> Chain:
@@ -264,7 +295,7 @@ class Ring:
 
     # ---------------------------------------------------------------- generation
 
-    def prepare(self, prompt_tokens: Sequence[int], params: GenerationParams) -> Prepared:
+    def prepare(self, prompt_tokens: Sequence[int], params: GenerationParams) -> Request:
         """Check a request against this ring before anything reaches it: the prompt's ids
         against the vocabulary, the room its slot's context leaves, the speculative mode
         (``RequestError`` naming the field). ``max_tokens`` beyond the context left is capped
@@ -306,66 +337,41 @@ class Ring:
             log.info("max_tokens %d capped to %d: the context (%d) has no more room after the "
                      "prompt (%d tokens)", params.max_tokens, room, self.slot_ctx, len(prompt))
             params = params.replace(max_tokens=room)
-        return Prepared(prompt, params, mode, capped)
+        return Request(prompt, params, mode, capped)
 
-    def stream_prepared(self, request: Prepared, cancel: threading.Event | None = None,
+    def stream_prepared(self, request: Request, cancel: threading.Event | None = None,
                         ticket: Ticket | None = None) -> TextStream:
-        """Run a request ``prepare`` checked; text pieces as they are accepted. ``cancel``
-        stops it at the next step, or withdraws it while it waits for a slot
-        (``finish_reason`` "cancelled"). ``ticket``: its place in the queue (``admit``);
-        taken now when None."""
-        stream = TextStream(iter(()), ticket)
-        this = weakref.ref(stream)  # no cycle: a stream dropped unfinished frees its slot now
-        out = OutputProcessor(self.tokenizer, request.params)
-        stream.logprobs = out.logprobs  # grows as the pieces come
-        scored = request.params.logprobs is not None
-
-        def pieces() -> Iterator[str]:
-            t_start = time.perf_counter()
-            with self.scheduler.acquire(request.prompt, ticket, cancel=cancel) as slot:
-                if slot is None:  # cancelled while it waited: it never reached the ring
-                    out.cancelled()
-                    stats = GenerationStats(mode=request.mode,
-                                            prompt_tokens=len(request.prompt))
-                    stats.queue_ms = (time.perf_counter() - t_start) * 1e3
-                    self._finish(this, Generation("", [], stats, out.finish, request.capped))
-                    return
-                queued = time.perf_counter() - t_start
-                engine = slot.engine
-                slot.prompt_tokens = len(request.prompt)
-                slot.requests += 1
-                chunks = slot.session.tokens(request, cancel=cancel, t_start=t_start)
-                try:
-                    for chunk in chunks:
-                        piece = out.feed(chunk, engine.scores.last if scored else None)
-                        if piece:
-                            yield piece
-                        if out.done:
-                            break
-                finally:
-                    chunks.close()  # statistics now cover every ring the generation ran on
-                    slot.tokens = engine.stats.tokens
-                    slot.tokens_per_s = engine.stats.tokens_per_s
-                if not out.done and cancel is not None and cancel.is_set():
-                    out.cancelled()  # stopped by its caller short of its natural end
-                if piece := out.flush():
-                    yield piece
-                stats = engine.stats
-                stats.tokens = len(out.tokens)
-                stats.queue_ms = queued * 1e3
-                slot.tokens = len(out.tokens)
-                self._last_slot = slot
-                self._finish(this, Generation(out.text, out.tokens, stats, out.finish,
-                                              request.capped,
-                                              list(out.logprobs) if scored else None))
-
-        stream._pieces = pieces()
+        """Run a request ``prepare`` checked, on the ring's loop; text pieces as they are
+        accepted. ``cancel`` stops it at the next step, or withdraws it while it waits for
+        a slot (``finish_reason`` "cancelled"). ``ticket``: its place in the queue
+        (``admit``); taken now when None."""
+        if request.status != "new":
+            raise RuntimeError("this request was streamed already: prepare it again")
+        request.ticket = ticket if ticket is not None else self.scheduler.admit()
+        if cancel is not None:
+            request.cancel = cancel
+        request.output = OutputProcessor(self.tokenizer, request.params)
+        request.t_start = time.perf_counter()
+        stream = TextStream(request, self.loop)
+        self.loop.submit(request)
         return stream
 
-    def _finish(self, stream: weakref.ref, generation: Generation) -> None:
+    def _finish(self, request: Request) -> None:
+        """Called on the loop: ``request``'s ``Generation``, from its output and statistics."""
+        out = request.output
+        assert out is not None
+        slot = request.slot
+        if slot is None:  # withdrawn while it waited: it never reached the ring
+            stats = GenerationStats(mode=request.mode, prompt_tokens=len(request.prompt))
+            stats.queue_ms = (time.perf_counter() - request.t_start) * 1e3
+        else:
+            stats = slot.engine.stats
+            self._last_slot = slot
+        stats.tokens = len(out.tokens)
+        generation = Generation(out.text, out.tokens, stats, out.finish, request.capped,
+                                list(out.logprobs) if request.scored else None)
+        request.result = generation
         self.last = generation
-        if (held := stream()) is not None:
-            held.result = generation
 
     def _prompt_tokens(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -415,17 +421,20 @@ class Ring:
         return list(self._last_slot.engine.history)
 
     def reset(self) -> None:
-        """Forget the conversations: clear every slot's KV sequences on every stage (each
-        slot once the request it serves is done)."""
-        for i in range(self.parallel):
-            with self.scheduler.acquire((), index=i) as slot:
+        """Forget the conversations: clear every slot's KV sequences on every stage (once
+        the requests running are done; those admitted later wait for it)."""
+        def clear() -> None:
+            for slot in self.scheduler.slots:
                 slot.engine.reset()
+
+        self.loop.exclusive(clear)
 
     # ---------------------------------------------------------------- lifetime
 
     def close(self) -> None:
         """Release the drafter, the chain and (for a local ring) its node processes."""
         try:
+            self.loop.close()  # requests still running end as cancelled
             for drafter in self._drafters:
                 if hasattr(drafter, "close"):
                     drafter.close()
@@ -483,7 +492,7 @@ class Ring:
                 if m == AUTO or has_drafter or not MODES[m].needs_drafter]
 
     def add_listener(self, fn: Callable[[dict], None]) -> None:
-        """Call ``fn(event)`` on the generating thread for every tree event: rows sent
+        """Call ``fn(event)`` on the ring's loop thread for every tree event: rows sent
         (``rows``: node, parent, token), partial verification (``verify``: accepted path,
         rejected rows), a step's decision (``decide``: path, bonus token) and plain one-token
         laps (``plain``). ``fn`` must be quick; with no listener no event is built."""

@@ -114,15 +114,3 @@ class GenerationParams:
         return SamplerSettings(tuple((k.name, getattr(self, k.name)) for k in fields.FIELDS),
                                self.logit_bias, -1 if self.logprobs is None else self.logprobs,
                                None if self.grammar is None else self.grammar.text)
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """A request ``Ring.prepare`` checked against the ring: its prompt ids, its settings with
-    ``max_tokens`` fitted to the context (``capped``: the fitted value, when it was cut), and
-    the speculative mode it runs in (resolved: never "auto")."""
-
-    prompt: list[int]
-    params: GenerationParams
-    mode: str
-    capped: int | None = None

@@ -11,9 +11,12 @@ runs, apart from what runs on nodes.
 - ``local``: node processes on this machine
 - ``build``: the ``Ring`` constructors (up, attach, local) and ``ring up``; ``config``:
   ``HeadConfig``, what they take
+- ``request``: one request from ``Ring.prepare`` to its ``Generation`` (``Request``)
+- ``loop``: the ring's loop, the one thread that runs every request on the chain, its
+  rebuild after a lost node and its replays (``RingLoop``)
 - ``scheduler``: the one admission queue, slot choice, each step's sharers, the ring's rebuild
-- ``slots``: a slot's seq ids and its view of the shared chain (``SlotChain``, ``Demux``)
-- ``session``: one generation's replay across rebuilds and its resync after a stage failure
+- ``slots``: a slot's seq ids, its view of the shared chain and who owns each lap
+  (``SlotChain``, ``Demux``)
 - ``output``: tokens to text, and where an answer ends (``OutputProcessor``)
 - ``tools``: tool calls: OpenAI tools and messages into the chat template, the model's calls
   parsed back (whole and streamed), the grammar of a forced call

@@ -1,25 +1,20 @@
-"""The head's scheduler (docs/design.md 5.8): the one place that decides which requests are
-on the ring. Every way in (the HTTP server, the chat CLI, Python's ``Ring``) only submits and
-receives through it.
+"""The head's scheduler (docs/design.md 5.8): which requests are on the ring, in which slot.
+The ring's loop (``edgespec.head.loop``) asks it; every way in (the HTTP server, the chat
+CLI, Python's ``Ring``) only submits requests and reads their output.
 
 - **Admission**: one FIFO queue for the whole head. ``admit`` hands out a ``Ticket`` at once or
   refuses with ``RingBusy`` when ``max_queue`` requests already wait behind full slots (the
-  server answers 429 before anything starts); ``acquire`` waits for the ticket's turn, and a
-  request cancelled while it waits withdraws without ever reaching the ring.
+  server answers 429 before anything starts); the loop starts the ticket at the head of the
+  queue once a slot is free, and a request cancelled while it waits withdraws without ever
+  reaching the ring.
 - **Slot choice**: the free slot whose committed history shares the longest prefix with the
   prompt (a conversation's next turn computes only its new tokens), else the least recently
   used free one (``edgespec.head.slots``: a slot's seq ids, its view of the chain).
 - **Each step's share**: a request's engine asks ``sharers`` (the requests decoding now) before
   every step; tree sizes, flow's lookahead and prefill chunks shrink with it (``TreePolicy``,
-  ``SpecEngine._prefill``), and a node merges the batches of different requests that meet in
-  its queue into one decode (docs/design.md 5.7).
-- **Recovery**: after a lost node the ring is rebuilt once, by the first request to ask,
-  with retries and backoff (``recover``); every other request finds it rebuilt and moves
-  onto it. A rebalance (``rebuild``) takes every slot first, so requests in flight finish.
-
-Each admitted request runs its engine in its caller's thread: the ring's compute happens on
-the nodes, so a head thread spends a step waiting for its lap, and S such threads keep S
-requests' batches interleaved around the ring.
+  ``SpecEngine._prefill``).
+- **Recovery**: after a lost node the loop has the ring rebuilt once for all its requests,
+  with retries and backoff (``recover``); a rebalance (``rebuild``) runs when no request does.
 """
 
 from __future__ import annotations
@@ -28,7 +23,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from edgespec.errors import NodeLost, RingBusy, RingError
@@ -46,12 +41,13 @@ RECOVERY_BACKOFF_S = 0.5
 class Ticket:
     """A request's place in the admission queue (``Scheduler.admit``)."""
 
-    __slots__ = ("_scheduler", "number", "state")
+    __slots__ = ("_scheduler", "number", "slot", "state")
 
     def __init__(self, scheduler: Scheduler, number: int) -> None:
         self._scheduler = scheduler
         self.number = number
-        self.state = "waiting"  # -> "serving" -> "done", or "withdrawn"
+        self.state = "waiting"  # -> "serving", or "withdrawn"
+        self.slot: Slot | None = None
 
     def withdraw(self) -> None:
         """Give the place up (a request that will not run after all); no-op once served."""
@@ -59,13 +55,10 @@ class Ticket:
 
 
 class Scheduler:
-    """S slots over one chain: admission, slot choice, each step's sharers, recovery."""
+    """S slots over one chain: admission, slot choice, each step's sharers, recovery. Its
+    queue and counters are read from any thread; slots change on the ring's loop only."""
 
-    #: How often a waiting request looks at its cancel event.
-    CANCEL_POLL_S = 0.1
-
-    def __init__(self, chain: Chain, make_engine: Callable[[Chain, int], Any],
-                 make_session: Callable[[Chain, Any, Callable | None], Any], *,
+    def __init__(self, chain: Chain, make_engine: Callable[[Chain, int], Any], *,
                  parallel: int = 1, max_queue: int | None = None,
                  recover: Callable[[Exception], Chain] | None = None) -> None:
         self.parallel = parallel
@@ -74,28 +67,29 @@ class Scheduler:
         self.set_max_queue(max_queue)
         self.chain = chain
         self._recover = recover
-        self.epoch = 0
         self.recovery_log: list[dict[str, Any]] = []
         self._rebuilding = 0
-        self._recover_lock = threading.Lock()
         self._cond = threading.Condition()
         self._queue: list[Ticket] = []  # admitted, not yet serving, in arrival order
         self._serving = 0
         self._numbers = 0
         self.slots: list[Slot] = []
-        # parallel=1: the engine drives the chain itself (no seq-id mapping, no demux).
-        self.demux = Demux(chain) if parallel > 1 else None
+        self.demux = Demux(chain)
         for i in range(parallel):
-            view: Chain = chain if self.demux is None else SlotChain(self.demux, i, self.width)
+            view = self._new_view(i)
             engine = make_engine(view, i)
-            if self.demux is not None:
-                engine.sharers = self.busy  # trees and prefill chunks shrink as slots fill
-                # Lap ids of different slots never meet (the demux routes by lap, stages
-                # prune by lap): each slot draws from its own part of the lap space.
-                engine.use_laps(i, parallel)
-            session = make_session(view, engine, (lambda exc, i=i: self.recover(
-                self.slots[i], exc)) if recover is not None else None)
-            self.slots.append(Slot(i, engine, session))
+            engine.sharers = self.busy  # trees and prefill chunks shrink as slots fill
+            # Lap ids of different slots never meet (the loop routes by lap, stages prune
+            # by lap): each slot draws from its own part of the lap space.
+            engine.use_laps(i, parallel)
+            self.slots.append(Slot(i, engine, view))
+
+    def _new_view(self, index: int) -> SlotChain:
+        return SlotChain(self.demux, index, self.width, whole=self.parallel == 1)
+
+    @property
+    def can_recover(self) -> bool:
+        return self._recover is not None
 
     def set_max_queue(self, max_queue: int | None) -> None:
         """Requests that may wait for a slot (None: any number)."""
@@ -131,7 +125,14 @@ class Scheduler:
                 self._queue.remove(ticket)
                 self._cond.notify_all()
 
-    def _choose(self, prompt: Sequence[int]) -> Slot | None:
+    def head_ticket(self) -> Ticket | None:
+        """The ticket whose turn is next (the loop starts it once a slot is free)."""
+        with self._cond:
+            return self._queue[0] if self._queue else None
+
+    def choose(self, prompt: Sequence[int]) -> Slot | None:
+        """The free slot for ``prompt``: the longest shared prefix, else the least recently
+        used; None when every slot is busy."""
         free = [s for s in self.slots if not s.busy]
         if not free:
             return None
@@ -146,58 +147,25 @@ class Scheduler:
 
         return max(free, key=lambda s: (shared(s), -s.last_used))
 
-    @contextlib.contextmanager
-    def acquire(self, prompt: Sequence[int], ticket: Ticket | None = None, *,
-                index: int | None = None, cancel: threading.Event | None = None
-                ) -> Iterator[Slot | None]:
-        """A slot for the request of ``ticket`` (admitted now when None) on ``prompt`` (or
-        the slot ``index``: a request for a given slot always waits), held for the block.
-        Waits for the ticket's turn in FIFO order; yields None instead when ``cancel`` is
-        set while it waits (the ticket is withdrawn)."""
-        if ticket is None:
-            if index is None:
-                ticket = self.admit()
-            else:
-                with self._cond:
-                    ticket = self._enqueue()
-        slot: Slot | None = None
+    def take(self, ticket: Ticket, slot: Slot) -> None:
+        """``ticket``'s request runs in ``slot`` now."""
         with self._cond:
-            if ticket.state != "waiting":
-                raise RuntimeError(f"ticket {ticket.number} was {ticket.state}: admit again")
-            while True:
-                if cancel is not None and cancel.is_set():
-                    ticket.state = "withdrawn"
-                    self._queue.remove(ticket)
-                    self._cond.notify_all()
-                    break
-                if self._queue[0] is ticket:
-                    if index is not None:
-                        slot = None if self.slots[index].busy else self.slots[index]
-                    else:
-                        slot = self._choose(prompt)
-                    if slot is not None:
-                        break
-                self._cond.wait(self.CANCEL_POLL_S if cancel is not None else None)
-            if slot is not None:
-                self._queue.pop(0)
-                ticket.state = "serving"
-                self._serving += 1
-                slot.busy = True
-                self._cond.notify_all()  # the next ticket may fit in another free slot
-        if slot is None:
-            yield None
-            return
-        try:
-            self._refresh(slot)
-            yield slot
-        finally:
-            self._park(slot)
-            with self._cond:
-                slot.busy = False
-                slot.last_used = time.monotonic()
-                ticket.state = "done"
-                self._serving -= 1
-                self._cond.notify_all()
+            self._queue.remove(ticket)
+            ticket.state = "serving"
+            self._serving += 1
+            slot.busy = True
+            ticket.slot = slot
+            self._cond.notify_all()
+
+    def free(self, slot: Slot) -> None:
+        """``slot``'s request is over and nothing of it is in flight any more."""
+        with self._cond:
+            if not slot.busy:
+                return
+            slot.busy = False
+            slot.last_used = time.monotonic()
+            self._serving -= 1
+            self._cond.notify_all()
 
     def state(self) -> dict[str, Any]:
         """``serving``: requests holding a slot; ``queued``: those waiting behind them;
@@ -216,25 +184,14 @@ class Scheduler:
         with self._cond:
             return sum(s.busy for s in self.slots)
 
-    def _refresh(self, slot: Slot) -> None:
-        """A slot that slept through a ring rebuild moves onto the new chain."""
-        with self._recover_lock:
-            if slot.epoch != self.epoch:
-                slot.epoch = self.epoch
-                view = self._view(slot)
-                slot.session.chain = view
-                slot.engine.replace_chain(view)
-            elif self.demux is not None:
-                slot.session.chain.forget_done()
+    def view(self, slot: Slot) -> SlotChain:
+        """A new view of the chain in force for ``slot`` (after a rebuild)."""
+        return self._new_view(slot.index)
 
-    def _view(self, slot: Slot) -> Chain:
-        return self.chain if self.demux is None else SlotChain(self.demux, slot.index,
-                                                                 self.width)
-
-    def _park(self, slot: Slot) -> None:
+    def park(self, slot: Slot) -> None:
         """A slot's request ended: park its conversation's cells (``SlotChain.park``), and
         its drafter's (``Drafter.idle``)."""
-        if self.demux is None:
+        if self.parallel == 1:
             return
         drafter = getattr(slot.engine, "drafter", None)
         if drafter is not None:
@@ -242,10 +199,10 @@ class Scheduler:
                 drafter.idle()
             except Exception as e:  # only speed is at stake: the next begin() recomputes
                 log.warning("slot %d: drafter not parked: %s", slot.index, e)
-        if slot.epoch != self.epoch or not slot.engine.history:
+        if not slot.engine.history:
             return
         try:
-            slot.session.chain.park()
+            slot.view.park()
         except NodeLost as e:  # its next request finds the ring lost and recovers
             log.debug("slot %d: not parked: %s", slot.index, e)
 
@@ -256,17 +213,11 @@ class Scheduler:
         """True while the ring is being rebuilt after a lost node."""
         return self._rebuilding > 0
 
-    def recover(self, slot: Slot, exc: Exception) -> Chain:
-        """The chain ``slot`` goes on with after ``exc`` (a lost node). The first request to
-        ask rebuilds the ring over the nodes that answer (the ``recover`` callback), at most
-        MAX_RECOVERIES times in a row with doubling backoff while none answers yet, then
-        ``RingError``; the others find it rebuilt and move onto it."""
-        assert self._recover is not None
-        with self._recover_lock:
-            if slot.epoch == self.epoch:
-                self._rebuild_after(exc)
-            slot.epoch = self.epoch
-            return self._view(slot)
+    def recover(self, exc: Exception) -> None:
+        """Rebuild the ring after ``exc`` (a lost node) over the nodes that answer (the
+        ``recover`` callback), at most MAX_RECOVERIES times in a row with doubling backoff
+        while none answers yet, then ``RingError``. The loop moves every slot onto it."""
+        self._rebuild_after(exc)
 
     def _rebuild_after(self, exc: Exception) -> None:
         assert self._recover is not None
@@ -301,26 +252,18 @@ class Scheduler:
         log.warning("ring recovered in %.2f s with %d stage(s)", took, chain.n_stages)
 
     def _install(self, chain: Chain) -> None:
-        """``chain`` is the ring from now on; each slot moves onto it at its next request
-        (``_refresh``) or recovery."""
+        """``chain`` is the ring from now on (the loop moves the slots onto it)."""
         self.chain = chain
-        if self.demux is not None:
-            self.demux = Demux(chain)
-        self.epoch += 1
+        self.demux = Demux(chain)
 
     def rebuild(self, make_chain: Callable[[], Chain]) -> Chain:
-        """Replace the ring on purpose (a rebalance): every slot is taken first, so requests
-        in flight finish and new ones wait; then the old chain is closed and ``make_chain``
-        forms the new one, which every slot moves onto. The slots' conversations start anew
-        on it (their KV lived on the old windows)."""
-        with contextlib.ExitStack() as held:
-            for i in range(self.parallel):
-                held.enter_context(self.acquire((), index=i))
-            with self._recover_lock:
-                with contextlib.suppress(Exception):
-                    self.chain.close()
-                chain = make_chain()
-                self._install(chain)
+        """Replace the ring on purpose (a rebalance), on the loop when no request runs: the
+        old chain is closed and ``make_chain`` forms the new one. The slots' conversations
+        start anew on it (their KV lived on the old windows)."""
+        with contextlib.suppress(Exception):
+            self.chain.close()
+        chain = make_chain()
+        self._install(chain)
         return chain
 
     def close(self) -> None:

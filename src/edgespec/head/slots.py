@@ -1,6 +1,6 @@
 """Slots: one ring serving ``S`` sequences at once (docs/design.md 3, "KV discipline",
 holds per slot): a slot's range of seq ids, its view of the shared chain (``SlotChain``) and
-the routing of results to the slot whose lap they answer (``Demux``).
+who owns each lap in flight (``Demux``), so the ring's loop routes each result to its slot.
 
 The nodes' contexts hold ``n_seq_max = 256`` llama.cpp sequences (``edgespec.head.formation``).
 With ``parallel=S`` slot ``i`` owns the seq ids ``[i*W, (i+1)*W)``, ``W = 256 // S``: seq
@@ -11,28 +11,25 @@ the shared chain
 
 - shifts the seq ids of its batches and KV operations into the slot's range; "clear every
   sequence" and ``KEEP(s)`` become ``RM`` of the slot's own seqs (never another slot's);
-- routes results back: the shared chain's ``next_result`` is read by whichever slot asks
-  first (``Demux``: one reader at a time), and answers for other slots' laps go to their
-  queues; a lost node (``NodeLost``) goes to every slot;
-- ``abandon()`` gives up only its own laps;
+- records each lap it sends as its own (``Demux.own``): the ring's loop (``edgespec.head.loop``),
+  the one reader of the shared chain, hands each answer to the slot whose lap it is;
+- ``abandon()`` gives up only its own laps (their answers are dropped on arrival);
 - ``park()``: when a request ends, every stage moves the slot's committed cells into host
-  memory (``edgespec.llm.kv_park``); its next batch or KV operation first restores them. An
+  memory (``edgespec.llm.kv_park``); its next batch or KV operation first puts them back. An
   idle slot's conversation then costs the busy slots' attention nothing (docs/design.md 5.8),
   and its next turn still computes only its new tokens.
 
-Which request gets which slot, and the one rebuild of the ring after a lost node, are the
-scheduler's (``edgespec.head.scheduler``).
-
-``parallel=1`` uses none of this machinery: the one engine drives the chain itself.
+``parallel=1``: the one slot's view passes seq ids and operations through unchanged
+(``whole``), and never parks. Which request gets which slot, and the one rebuild of the ring
+after a lost node, are the scheduler's (``edgespec.head.scheduler``).
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-import threading
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from edgespec.batch import Batch, Result
@@ -43,7 +40,6 @@ from edgespec.tree.kvop import KvOp, KvOpCode
 
 if TYPE_CHECKING:
     from edgespec.head.engine.runner import SpecEngine
-    from edgespec.head.session import Session
 from edgespec.wire.transport import TransportError
 
 log = logging.getLogger("edgespec.ring")
@@ -53,13 +49,11 @@ OWNED_LAPS = 8192
 
 
 class Demux:
-    """One shared chain and the slot chains over it: one reader of its results at a time,
-    each answer routed to the slot whose lap it is."""
+    """One shared chain and the slot chains over it: which slot owns each lap in flight,
+    and the laps given up, whose answers are dropped."""
 
     def __init__(self, chain: Chain) -> None:
         self.chain = chain
-        self.cond = threading.Condition()
-        self.reading = False
         self.owner: collections.OrderedDict[int, SlotChain] = collections.OrderedDict()
         # Laps given up by a slot (``SlotChain.abandon``): their answers, errors included,
         # are dropped on arrival, never raised in another slot.
@@ -67,43 +61,36 @@ class Demux:
         self.slots: list[SlotChain] = []
 
     def own(self, lap: int, slot: SlotChain) -> None:
-        with self.cond:
-            self.owner[lap] = slot
-            self.owner.move_to_end(lap)
-            while len(self.owner) > OWNED_LAPS:
-                self.owner.popitem(last=False)
+        self.owner[lap] = slot
+        self.owner.move_to_end(lap)
+        while len(self.owner) > OWNED_LAPS:
+            self.owner.popitem(last=False)
 
-    def route(self, item: Any, reader: SlotChain) -> None:
-        """Called holding ``cond``: hand ``item`` to the slot(s) it concerns."""
-        if isinstance(item, Exception):
-            lap = getattr(item, "lap", None)
-            slot = self.owner.get(lap) if lap is not None else None
-            if slot is not None:
-                slot.inbox.append(item)
-            elif lap is not None and lap in self.abandoned and not isinstance(item, NodeLost):
-                log.debug("dropping an error about an abandoned batch: %s", item)
-            elif isinstance(item, NodeLost):
-                for s in self.slots:  # the ring is broken under every slot
-                    s.inbox.append(item)
-            else:
-                reader.inbox.append(item)
-            return
-        slot = self.owner.get(item.lap)
+    def route(self, item: Result | Exception) -> list[int] | None:
+        """The slots ``item`` goes to (by index): its lap's owner; every slot for a lost node;
+        [] to drop it (an abandoned or unknown lap); None for an error of no lap (the
+        loop's own)."""
+        lap = getattr(item, "lap", None)
+        if isinstance(item, NodeLost):
+            return [s.index for s in self.slots]
+        slot = self.owner.get(lap) if lap is not None else None
         if slot is not None:
-            slot.inbox.append(item)
-        else:
-            log.debug("dropping a result for lap %d: no slot waits for it", item.lap)
+            return [slot.index]
+        if isinstance(item, Exception) and lap is None:
+            return None
+        log.debug("dropping an answer for lap %s: no slot waits for it", lap)
+        return []
 
 
 class SlotChain:
     """The ``Chain`` (``edgespec.head.chain``) one slot's engine drives: the shared chain,
     seen through the slot's range of seq ids (see the module docstring)."""
 
-    def __init__(self, demux: Demux, index: int, width: int) -> None:
+    def __init__(self, demux: Demux, index: int, width: int, whole: bool = False) -> None:
         self.demux = demux
         self.seqs = SeqRange(index, width)
         self.index, self.width, self.base = index, width, self.seqs.base
-        self.inbox: collections.deque[Result | Exception] = collections.deque()
+        self.whole = whole  # the only slot: seq ids and operations pass unchanged
         self._laps: set[int] = set()
         # Highest local seq that may hold KV: KEEP/clear remove only up to it. Unknown at
         # first (an earlier head may have left anything): the whole range.
@@ -126,6 +113,8 @@ class SlotChain:
                 for s in range(self._top + 1) if s != keep]
 
     def _ops(self, ops: Iterable[KvOp]) -> list[KvOp]:
+        if self.whole:
+            return list(ops)
         out: list[KvOp] = []
         for op in ops:
             code, seq = op.code, op.seq
@@ -148,10 +137,10 @@ class SlotChain:
         return out
 
     def park(self) -> None:
-        """Between requests: every stage copies this slot's committed cells into its host
+        """Between requests (never for the only slot, ``whole``): every stage copies this slot's committed cells into its host
         memory and frees them, so they cost other slots' decodes nothing (docs/design.md
         5.8); the slot's next batch or KV operation first puts them back."""
-        if self.parked:
+        if self.parked or self.whole:
             return
         ops = [*self._rm_all(0), KvOp(KvOpCode.PARK, self.base)]
         try:
@@ -177,6 +166,14 @@ class SlotChain:
     # ------------------------------------------------------------ the Chain protocol
 
     def submit(self, batch: Batch) -> None:
+        self._laps.add(batch.lap)
+        self.demux.own(batch.lap, self)
+        if self.whole:
+            try:
+                self.demux.chain.submit(batch)
+            except TransportError as e:
+                raise NodeLost(f"the ring's chain is gone: {e}") from e
+            return
         sid = batch.seq_ids
         top = self.seqs.check(sid.max_id())
         self._top = max(self._top, top)
@@ -184,8 +181,6 @@ class SlotChain:
         out = Batch(batch.tokens, batch.pos, moved, batch.nodes, batch.want, batch.lap,
                     batch.segment, self._unpark(batch.pre_ops) + self._ops(batch.pre_ops),
                     batch.sampling, batch.timing)
-        self._laps.add(batch.lap)
-        self.demux.own(batch.lap, self)
         try:
             self.demux.chain.submit(out)
         except TransportError as e:  # another slot closed it for a rebuild, or it broke
@@ -205,68 +200,28 @@ class SlotChain:
         self.demux.chain.prune(nodes, lap=lap)
 
     def has_result(self) -> bool:
-        d = self.demux
-        with d.cond:
-            if self.inbox:
-                return True
-            if d.reading or not d.chain.has_result():
-                return False
-            d.reading = True
-        # Something is waiting in the shared chain: read it (without the lock) and route it.
-        try:
-            item: Any = d.chain.next_result()
-        except Exception as e:  # routed like any answer
-            item = e
-        with d.cond:
-            d.reading = False
-            d.route(item, self)
-            d.cond.notify_all()
-            return bool(self.inbox)
+        return self.demux.chain.has_result()
 
     def next_result(self, timeout: float | None = None) -> Result:
-        d = self.demux
-        while True:
-            with d.cond:
-                while not self.inbox and d.reading:
-                    d.cond.wait()
-                if self.inbox:
-                    item = self.inbox.popleft()
-                    if isinstance(item, Exception):
-                        raise item
-                    return item
-                d.reading = True
-            # The reader: wait on the shared chain without the lock, so others may submit.
-            try:
-                got: Any = (d.chain.next_result() if timeout is None
-                            else d.chain.next_result(timeout))
-            except Exception as e:
-                got = e
-            with d.cond:
-                d.reading = False
-                d.route(got, self)
-                d.cond.notify_all()
+        """The shared chain's next answer. The ring's loop reads the shared chain itself and
+        routes; this is for an engine driven alone (``drive_alone``) while the loop is idle."""
+        chain = self.demux.chain
+        return chain.next_result() if timeout is None else chain.next_result(timeout)
 
     def abandon(self) -> None:
         """Give up on this slot's laps in flight: their answers are dropped on arrival."""
         d = self.demux
-        with d.cond:
-            for lap in self._laps:
-                if d.owner.get(lap) is self:
-                    del d.owner[lap]
-                d.abandoned[lap] = None
-            while len(d.abandoned) > OWNED_LAPS:
-                d.abandoned.popitem(last=False)
-            self._laps.clear()
-            self.inbox.clear()
+        for lap in self._laps:
+            if d.owner.get(lap) is self:
+                del d.owner[lap]
+            d.abandoned[lap] = None
+        while len(d.abandoned) > OWNED_LAPS:
+            d.abandoned.popitem(last=False)
+        self._laps.clear()
 
     def forget_done(self) -> None:
-        """Between requests: nothing of this slot is in flight any more (a lost node's
-        notice stays: the next request must learn of it)."""
-        with self.demux.cond:
-            self._laps.clear()
-            kept = [e for e in self.inbox if isinstance(e, NodeLost)]
-            self.inbox.clear()
-            self.inbox.extend(kept)
+        """Between requests: nothing of this slot is in flight any more."""
+        self._laps.clear()
 
     def close(self) -> None:
         self.abandon()  # the shared chain is the pool's to close
@@ -274,11 +229,13 @@ class SlotChain:
 
 @dataclass
 class Slot:
-    """One of the ring's S concurrent sequences: its engine, session and bookkeeping."""
+    """One of the ring's S concurrent sequences: its engine (the conversation's KV state),
+    its view of the chain, the answers routed to it, and bookkeeping. The ring's loop alone
+    touches it; ``info`` may be read from any thread."""
 
     index: int
     engine: SpecEngine
-    session: Session
+    view: SlotChain
     epoch: int = 0
     busy: bool = False
     last_used: float = 0.0
@@ -286,6 +243,8 @@ class Slot:
     tokens: int = 0
     tokens_per_s: float = 0.0
     requests: int = 0
+    #: Answers routed to this slot, not yet read by its generation.
+    inbox: collections.deque = field(default_factory=collections.deque)
 
     def info(self) -> dict[str, Any]:
         busy = self.busy
@@ -295,4 +254,4 @@ class Slot:
         return {"slot": self.index, "state": "busy" if busy else "free", "tokens": tokens,
                 "tokens_per_s": round(speed, 3), "prompt_tokens": self.prompt_tokens,
                 "history_tokens": len(self.engine.history),
-                "kv_parked": bool(getattr(self.session.chain, "parked", False))}
+                "kv_parked": bool(self.view.parked)}

@@ -127,14 +127,18 @@ def gather(inbox: queue.Queue, first: tuple, cap: int, behind: collections.deque
                 return smalls
     if len(first[1]) >= cap:
         return [first]
-    return [first, *_scan(inbox, MergeFence(first[1]), cap, len(first[1]), behind, cap)]
+    # One batch bigger than SMALL_ROWS per decode at most: a prompt's rows are compute-bound
+    # and gain nothing from sharing a decode, while two prompts decoded one after the other
+    # are pipelined (the next stage starts on the first while this one computes the second).
+    return [first, *_scan(inbox, MergeFence(first[1]), cap, len(first[1]), behind, cap,
+                          big=int(len(first[1]) <= SMALL_ROWS))]
 
 
 def _scan(inbox: queue.Queue, fence: MergeFence, cap: int, rows: int,
-          behind: collections.deque, max_rows: int) -> list[tuple]:
+          behind: collections.deque, max_rows: int, big: int = 0) -> list[tuple]:
     """Batch items (``behind`` first, then the inbox) of at most ``max_rows`` rows each that
-    pass ``fence``, within ``cap`` rows together with ``rows``; the others go into
-    ``behind``, in order (see ``gather``)."""
+    pass ``fence``, within ``cap`` rows together with ``rows``, and at most ``big`` of them
+    bigger than SMALL_ROWS; the others go into ``behind``, in order (see ``gather``)."""
     items: list[tuple] = []
     ahead = list(behind)  # what the scan looks at: ``behind``, then the inbox
     behind.clear()
@@ -148,9 +152,11 @@ def _scan(inbox: queue.Queue, fence: MergeFence, cap: int, rows: int,
         nxt = ahead[looked]
         looked += 1
         if (nxt is not None and nxt[0] == "batch" and len(nxt[1]) <= max_rows
+                and (len(nxt[1]) <= SMALL_ROWS or big > 0)
                 and rows + len(nxt[1]) <= cap and fence.admit(nxt[1])):
             items.append(nxt)
             rows += len(nxt[1])
+            big -= len(nxt[1]) > SMALL_ROWS
             continue
         behind.append(nxt)  # stays behind, in order
         if nxt is None or nxt[0] != "batch" or not fence.skip(nxt[1]):

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
 
 import numpy as np
 
 from edgespec.head.engine.inflight import TreeInFlight
-from edgespec.head.engine.mode import Mode
+from edgespec.head.engine.mode import POLL, Mode, Steps
 from edgespec.sampling import SamplerSettings
 from edgespec.tree import core
 from edgespec.tree.kvop import KvOp, KvOpCode
@@ -40,7 +39,7 @@ class FlowMode(Mode):
     #: subtree: siblings were wasted rows more often than saved laps (docs/experiments.md 3).
     AHEAD_CHAIN = True
 
-    def steps(self, root: int, sampling: SamplerSettings) -> Iterator[list[int]]:
+    def steps(self, root: int, sampling: SamplerSettings) -> Steps:
         ctx, policy = self.ctx, self.ctx.policy
         stale = ctx.stale  # lap -> results still to come from decided trees
         while True:
@@ -52,10 +51,11 @@ class FlowMode(Mode):
             ctx.log_choice("flow", segment=seg, ahead=ctx.stats.budget)
             t_step = time.perf_counter()
             if seg == 0:
-                ctx.drain_stale()  # a plain lap reads the next result: make it its own
+                # a plain lap reads the next result: make it its own
+                yield from ctx.drain_stale()
                 t = time.perf_counter()
                 policy.charge_tree(t - t_step)  # the last tree's rows still in flight
-                gained = ctx.plain_step(root, sampling)
+                gained = yield from ctx.plain_step(root, sampling)
                 root = gained[-1]
                 yield gained
                 policy.record_plain(time.perf_counter() - t, max(users, ctx.sharers()))
@@ -73,9 +73,9 @@ class FlowMode(Mode):
                 while decision is None:
                     # Never wait idle: while no result is back, draft further below the
                     # accepted frontier and inject it (dynamic expansion).
-                    if not ctx.chain.has_result() and self.draft_ahead(rnd, sampling, seg):
+                    if not (yield POLL) and self.draft_ahead(rnd, sampling, seg):
                         continue
-                    res = ctx.chain.next_result()
+                    res = yield from ctx.next_result()
                     ctx.stats.lap_timing.got(res)
                     ctx.stats.laps += 1
                     if res.lap != rnd.lap:

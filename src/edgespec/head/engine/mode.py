@@ -12,8 +12,8 @@ tree pays now and how big it is.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from collections.abc import Generator
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 if TYPE_CHECKING:
     from edgespec.drafters.base import Drafter, DraftTree
@@ -25,6 +25,30 @@ if TYPE_CHECKING:
     from edgespec.sampling import SamplerSettings
     from edgespec.tree import core
     from edgespec.tree.kvop import KvOp
+
+
+class Need:
+    """What a generation's coroutine waits for (it yields one; docs/design.md 5.8): the
+    ring's loop, or ``drive_alone``, sends the answer back in."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+#: The next result of this generation's slot (a ``Result``; an error arrives as the
+#: exception object, raised where it is received: ``StepContext.next_result``).
+WAIT = Need("WAIT")
+#: Whether a result of this generation's slot is waiting now (a bool; never blocks).
+POLL = Need("POLL")
+
+#: A coroutine of the engine: yields ``WAIT``/``POLL`` (answered by what is sent back) and
+#: token chunks (lists, sent back None).
+Steps = Generator[Any, Any, Any]
 
 
 class StepContext(Protocol):
@@ -48,9 +72,12 @@ class StepContext(Protocol):
     def sharers(self) -> int:
         """Requests decoding on the ring now, this one included."""
 
+    def next_result(self) -> Steps:
+        """``yield from`` it: the slot's next result (``WAIT``), its error raised here."""
+
     def plain_step(self, root: int, sampling: SamplerSettings, tell_drafter: bool = True
-                   ) -> list[int]:
-        """One token, no tree: a lap with the root's row alone."""
+                   ) -> Steps:
+        """``yield from`` it: one token, no tree: a lap with the root's row alone."""
 
     def new_tree(self, root: int, sampling: SamplerSettings, budget: int) -> TreeInFlight:
         """A tree of at most ``budget`` drafted nodes below ``root``, not sent yet."""
@@ -64,8 +91,8 @@ class StepContext(Protocol):
     def draft_into(self, tree: core.TokenTree, under_node: int, dt: DraftTree) -> None:
         """Add a drafter's nodes below ``under_node``."""
 
-    def drain_stale(self) -> None:
-        """Read the results of decided trees still in flight."""
+    def drain_stale(self) -> Steps:
+        """``yield from`` it: read every result still owed to the slot (decided trees')."""
 
     def emit(self, event: dict) -> None:
         """Hand a tree event to the listeners (the live view)."""
@@ -77,7 +104,9 @@ class StepContext(Protocol):
 class Mode:
     """One speculative mode: ``steps`` yields the tokens each step gains, forever (the
     engine stops pulling at the end of the generation and closes the iterator; a mode cut
-    short in the middle of a step cleans up what it has in flight on ``GeneratorExit``)."""
+    short in the middle of a step cleans up what it has in flight on ``GeneratorExit``).
+    It never blocks: where it needs a result it yields ``WAIT`` (``yield from
+    ctx.next_result()``), where it asks whether one is there ``POLL``."""
 
     #: The name requests, the CLI and the page use.
     name: ClassVar[str]
@@ -89,5 +118,5 @@ class Mode:
     def __init__(self, ctx: StepContext) -> None:
         self.ctx = ctx
 
-    def steps(self, root: int, sampling: SamplerSettings) -> Iterator[list[int]]:
+    def steps(self, root: int, sampling: SamplerSettings) -> Steps:
         raise NotImplementedError

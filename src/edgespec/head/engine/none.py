@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-from edgespec.head.engine.mode import Mode
+from edgespec.head.engine.mode import Mode, Steps
 from edgespec.sampling import SamplerSettings
 
 
@@ -15,8 +13,8 @@ class NoneMode(Mode):
     summary = "plain pipelined decoding, one token per lap of the ring"
     needs_drafter = False
 
-    def steps(self, root: int, sampling: SamplerSettings) -> Iterator[list[int]]:
+    def steps(self, root: int, sampling: SamplerSettings) -> Steps:
         while True:
-            gained = self.ctx.plain_step(root, sampling, tell_drafter=False)
+            gained = yield from self.ctx.plain_step(root, sampling, tell_drafter=False)
             root = gained[-1]
             yield gained

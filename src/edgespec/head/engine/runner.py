@@ -37,6 +37,7 @@ from edgespec.head.engine.config import EngineConfig
 from edgespec.head.engine.cost import CostModel
 from edgespec.head.engine.gain import GainMeter, RingRates
 from edgespec.head.engine.inflight import TreeInFlight, sampling_config
+from edgespec.head.engine.mode import POLL, WAIT, Steps
 from edgespec.head.engine.policy import TreePolicy
 from edgespec.head.engine.registry import MODES, resolve
 from edgespec.head.engine.sampler import SamplerHandle
@@ -50,6 +51,31 @@ if TYPE_CHECKING:
     from edgespec.params import GenerationParams
 
 log = logging.getLogger("edgespec.head.engine")
+
+def drive_alone(steps: Steps, chain: Chain) -> Iterator[list[int]]:
+    """Run an engine's coroutine on the calling thread, its only user of ``chain``: ``WAIT``
+    reads the chain's next result, ``POLL`` asks whether one is there; the token chunks come
+    out. Closing the iterator closes the coroutine (which cleans up what it has in flight)."""
+    answer: Any = None
+    try:
+        while True:
+            try:
+                item = steps.send(answer)
+            except StopIteration:
+                return
+            if item is WAIT:
+                try:
+                    answer = chain.next_result()
+                except Exception as e:  # raised in the step that waited
+                    answer = e
+            elif item is POLL:
+                answer = chain.has_result()
+            else:
+                answer = None
+                yield item
+    finally:
+        steps.close()
+
 
 class SpecEngine:
     """Drives generations over a ``Chain``; owns the committed history (KV sequence 0). The
@@ -91,6 +117,9 @@ class SpecEngine:
         # empty cache (ordered ahead of that batch like any other KV operation).
         self.pending_ops: list[KvOp] = KvOp.clear()
         self.stale: Counter = Counter()  # lap -> results of decided trees still in flight
+        # Results the chain still owes this engine (every batch sent is answered once):
+        # a generation cut short leaves some, read and dropped before the next one starts.
+        self.owed = 0
         self.room = 0  # tokens the caller still wants (flow stops expanding past it)
         self._last_choice: tuple | None = None
         # Observers of tree events (the server's live view); empty: no event is even built.
@@ -116,6 +145,8 @@ class SpecEngine:
         self.pending_ops = []
         self.chain.kv(KvOp.clear())
         self.history = []
+        self.owed = 0
+        self.stale.clear()
 
     def resolve_mode(self, mode: str) -> str:
         """The mode ``mode`` runs as on this ring (``registry.resolve``)."""
@@ -127,13 +158,23 @@ class SpecEngine:
         self.chain = chain
         self.history = []
         self.stale.clear()
+        self.owed = 0
         self.pending_ops = KvOp.clear()
 
     def run(self, prompt: Sequence[int], params: GenerationParams, mode: str = "auto", *,
             cancel: threading.Event | None = None, replay: int = 0,
             t_start: float | None = None) -> Iterator[list[int]]:
-        """Generate after ``prompt`` as ``params`` say (the request's own object, carried
-        unchanged from where it was checked); yields the tokens gained by each step, in order.
+        """``start``'s generation driven on the calling thread (``drive_alone``): the tokens
+        gained by each step, in order."""
+        return drive_alone(self.start(prompt, params, mode, cancel=cancel, replay=replay,
+                                      t_start=t_start), self.chain)
+
+    def start(self, prompt: Sequence[int], params: GenerationParams, mode: str = "auto", *,
+              cancel: threading.Event | None = None, replay: int = 0,
+              t_start: float | None = None) -> Steps:
+        """The coroutine of a generation after ``prompt`` as ``params`` say (the request's own
+        object, carried unchanged from where it was checked): it yields the tokens gained by
+        each step, in order, and ``WAIT``/``POLL`` where it needs the ring (``mode.Need``).
 
         Stops after ``params.max_tokens`` tokens, or at the next step once ``cancel`` is set; where
         the answer ends before that (an end-of-generation token, a stop string) is the
@@ -162,7 +203,7 @@ class SpecEngine:
 
     def _generate(self, prompt: Sequence[int], params: GenerationParams, mode: str,
                   cancel: threading.Event | None, replay: int, t_start: float | None
-                  ) -> Iterator[list[int]]:
+                  ) -> Steps:
         prompt = [int(t) for t in prompt]
         max_tokens, sampling = params.max_tokens, params.sampling
         if not prompt:
@@ -176,7 +217,8 @@ class SpecEngine:
         self.scores = ScoreQueue(sampling.logprobs >= 0)
         self.sampler = SamplerHandle(sampling)
         self.policy.begin()
-        t0 = time.perf_counter()
+        yield from self.drain_stale()  # what an earlier generation cut short left in flight
+        t0 = t1 = time.perf_counter()
         t_start = t0 if t_start is None else t_start
         drafter = self.drafter if mode != "none" else None
         # Beside other requests the head's one draft model is theirs too, and on a full
@@ -190,24 +232,32 @@ class SpecEngine:
                 drafter.begin(prompt)
                 self.stats.draft_s += time.perf_counter() - td
 
-        # A replayed generation's first token came from its prefill lap too: the tokens
-        # decoded since go one per batch, as they were decoded (see ``replay``).
-        root, first = self._prefill(prompt, singles=max(0, replay - 1), want_root=True,
-                                    sampling=sampling, root_alone=replay > 0,
-                                    while_waiting=begin_drafter)
-        assert first is not None  # want_root: the prefill brought the first token
-        self.stats.prefill_s = time.perf_counter() - t0
-        if drafter is not None and not self._drafter_behind:
-            td = time.perf_counter()
-            drafter.accept([first])
-            self.stats.draft_s += time.perf_counter() - td
-        t1 = time.perf_counter()
-        produced = 0
-        self.room = max_tokens
         failed = False
-        steps = self._steps(mode, root, first, sampling)
+        steps = None
         try:
-            for chunk in steps:
+            # A replayed generation's first token came from its prefill lap too: the tokens
+            # decoded since go one per batch, as they were decoded (see ``replay``).
+            root, first = yield from self._prefill(prompt, singles=max(0, replay - 1),
+                                                   want_root=True, sampling=sampling,
+                                                   root_alone=replay > 0,
+                                                   while_waiting=begin_drafter)
+            assert first is not None  # want_root: the prefill brought the first token
+            self.stats.prefill_s = time.perf_counter() - t0
+            if drafter is not None and not self._drafter_behind:
+                td = time.perf_counter()
+                drafter.accept([first])
+                self.stats.draft_s += time.perf_counter() - td
+            t1 = time.perf_counter()
+            produced = 0
+            self.room = max_tokens
+            steps = self._steps(mode, root, first, sampling)
+            answer = None
+            while True:
+                chunk = steps.send(answer)
+                answer = None
+                if chunk is WAIT or chunk is POLL:  # the ring's answer goes down to the mode
+                    answer = yield chunk
+                    continue
                 gained = len(chunk)
                 chunk = chunk[: max_tokens - produced]
                 self.scores.take(len(chunk), gained)
@@ -231,8 +281,12 @@ class SpecEngine:
             self.stats.lap_timing.log(log)  # the lap-timing view with -v (DEBUG)
             if not failed:
                 # Close the step generator now (not at garbage collection): a step cut
-                # short registers its batches in flight, which are drained right after.
-                steps.close()
+                # short registers its batches in flight (``owed``: read before the next
+                # generation) and drops its tree's seqs. Cells of sequence 0 past the
+                # committed history (a lap or a prefill cut short) go too.
+                if steps is not None:
+                    steps.close()
+                self.pending_ops.append(KvOp(KvOpCode.RM, 0, len(self.history), -1))
                 # The request's sampler at the last stage goes with the last KV operations.
                 self._flush_ops(release=[self.sampler.key] if self.sampler.key else ())
             elif self.sampler.key:
@@ -246,7 +300,7 @@ class SpecEngine:
     # ------------------------------------------------------------------ prefill
 
     def _steps(self, mode: str, root: int, first: int, sampling: SamplerSettings
-               ) -> Iterator[list[int]]:
+               ) -> Steps:
         """The prefill's token (``root`` committed), then the mode's steps below it."""
         self.stats.steps += 1
         self.stats.plain_steps += 1  # no tree: a plain lap's token (the prefill's last lap)
@@ -262,8 +316,8 @@ class SpecEngine:
 
     def _prefill(self, prompt: list[int], singles: int = 0, want_root: bool = False,
                  sampling: SamplerSettings | None = None, root_alone: bool = False,
-                 while_waiting: Callable[[], None] | None = None) -> tuple[int, int | None]:
-        """Bring KV sequence 0 to ``prompt[:-1]``, reusing the longest common prefix with what
+                 while_waiting: Callable[[], None] | None = None) -> Steps:
+        """``yield from`` it: bring KV sequence 0 to ``prompt[:-1]``, reusing the longest common prefix with what
         is already committed; returns the root (the last prompt token) and None. The last
         ``singles`` tokens before the root go one per batch (see ``run``'s ``replay``).
 
@@ -276,16 +330,18 @@ class SpecEngine:
         limit = min(len(self.history), len(prompt) - 1)
         while keep < limit and self.history[keep] == prompt[keep]:
             keep += 1
-        if keep < len(self.history):
-            self.pending_ops.append(KvOp(KvOpCode.RM, 0, keep, -1))
-            del self.history[keep:]
+        # Cells past the shared prefix go (also any a generation cut short left past its
+        # history: a prefill chunk or a lap whose answer it did not wait for).
+        self.pending_ops.append(KvOp(KvOpCode.RM, 0, keep, -1))
+        del self.history[keep:]
         todo = prompt[keep:-1]
         self.stats.prefill_tokens = len(todo) + 1
         n_bulk = max(0, len(todo) - max(0, singles))
         # Other requests decoding meanwhile: smaller chunks, so a decode batch that rides
         # along with one at a stage (docs/design.md 5.7) waits less for it.
-        size = self.prefill_chunk if self.sharers() <= 1 else min(self.prefill_chunk,
-                                                                   self.SHARED_PREFILL_CHUNK)
+        shared = self.sharers() > 1
+        size = (min(self.prefill_chunk, self.SHARED_PREFILL_CHUNK) if shared
+                else self.prefill_chunk)
         chunks = [todo[off: min(off + size, n_bulk)] for off in range(0, n_bulk, size)]
         chunks += [[t] for t in todo[n_bulk:]]
         if want_root:
@@ -294,29 +350,33 @@ class SpecEngine:
                 chunks[-1] = [*chunks[-1], prompt[-1]]
             else:
                 chunks.append([prompt[-1]])
-        start = keep
-        for i, part in enumerate(chunks):
-            n = len(part)
-            pos = np.arange(start, start + n, dtype=np.int32)
-            start += n
-            # No row is wanted (but the root's, see want_root): prefill only fills KV.
-            # Chunks stream back to back through the stages, so a long prompt is pipelined
-            # across the ring.
-            want = np.zeros(n, bool)
-            last = want_root and i == len(chunks) - 1
-            if last:
-                want[-1] = True
-            self._submit(Batch(np.array(part, np.int32), pos, SeqIds.single(n),
-                               np.arange(n, dtype=np.int32), want, lap=self._new_lap(),
-                               sampling=(self.sampler.register(prompt[self._text_start:])
-                                         if last and sampling is not None else SamplerRef())))
-        res = None
-        try:
-            if while_waiting is not None:
-                while_waiting()
-        finally:  # read every chunk's result even if the callback failed: none is left over
-            for _ in chunks:
-                res = self.chain.next_result()
+        # Alone, every chunk goes at once: they stream back to back through the stages, so
+        # a long prompt is pipelined across the ring. Beside other requests, one chunk per
+        # stage at most is in flight: each goes out with the others' batches of a round of
+        # the loop and rides in their decode (5.7), so a long prompt takes a share of every
+        # stage lap after lap instead of queueing all its chunks ahead of their next tokens.
+        window = max(1, self.chain.n_stages) if shared else len(chunks)
+        start, sent, res = keep, 0, None
+        for got in range(len(chunks)):
+            while sent < len(chunks) and sent - got < window:
+                part = chunks[sent]
+                n = len(part)
+                pos = np.arange(start, start + n, dtype=np.int32)
+                start += n
+                # No row is wanted (but the root's, see want_root): prefill only fills KV.
+                want = np.zeros(n, bool)
+                last = want_root and sent == len(chunks) - 1
+                if last:
+                    want[-1] = True
+                self._submit(Batch(np.array(part, np.int32), pos, SeqIds.single(n),
+                                   np.arange(n, dtype=np.int32), want, lap=self._new_lap(),
+                                   sampling=(self.sampler.register(prompt[self._text_start:])
+                                             if last and sampling is not None
+                                             else SamplerRef())))
+                sent += 1
+                if sent == len(chunks) and while_waiting is not None:
+                    while_waiting()  # every chunk is out: work while their results come
+            res = yield from self.next_result()
         self.history.extend(todo)
         if not want_root:
             return prompt[-1], None
@@ -346,20 +406,28 @@ class SpecEngine:
         self.stats.rows_sent += len(batch)
         self.stats.lap_timing.sent(batch)
         self.chain.submit(batch)
+        self.owed += 1
 
-    def drain_stale(self) -> None:
-        """Consume results of decided trees still in flight, so the next caller of
-        ``next_result`` gets its own."""
-        while sum(self.stale.values()) > 0:
-            res = self.chain.next_result()
+    def next_result(self) -> Steps:
+        """``yield from`` it: the next result for this engine's chain (``WAIT``); an error
+        sent back in is raised here, in the step that waited."""
+        got = yield WAIT
+        self.owed -= 1
+        if isinstance(got, BaseException):
+            raise got
+        return got
+
+    def drain_stale(self) -> Steps:
+        """``yield from`` it: read and drop every result still owed (decided trees', or a
+        generation's cut short), so the next ``next_result`` is the caller's own."""
+        while self.owed > 0:
+            res = yield from self.next_result()
             self.stats.lap_timing.got(res)
-            if self.stale[res.lap] <= 0:
-                raise RuntimeError(f"unexpected result for lap {res.lap} while draining")
-            self.stale[res.lap] -= 1
         self.stale.clear()
 
     def _flush_ops(self, release: Sequence[int] = ()) -> None:
-        self.drain_stale()
+        """Send the KV operations due (and the sampler's release) now, behind every batch
+        sent: they need no result, so a generation's end frees its rows on the next lap."""
         ops, self.pending_ops = self.pending_ops, []
         if ops or release:
             self.chain.kv(ops, release)
@@ -374,8 +442,8 @@ class SpecEngine:
         self.history.extend(int(t) for t in tokens)
 
     def plain_step(self, root: int, sampling: SamplerSettings, tell_drafter: bool = True
-                   ) -> list[int]:
-        """One token, no tree: mode ``none``'s step, and a tree mode's when its policy found
+                   ) -> Steps:
+        """``yield from`` it: one token, no tree: mode ``none``'s step, and a tree mode's when its policy found
         that a tree does not pay right now (then the drafter still learns the token)."""
         pos = len(self.history)
         users = self.sharers()
@@ -383,7 +451,7 @@ class SpecEngine:
         self._submit(Batch(np.array([root], np.int32), np.array([pos], np.int32),
                            SeqIds.single(1), np.zeros(1, np.int32), np.ones(1, bool),
                            lap=self._new_lap(), sampling=self._for_rows(root)))
-        res = self.chain.next_result()
+        res = yield from self.next_result()
         self.stats.lap_timing.got(res)
         waited = time.perf_counter() - t
         self.policy.observe_lap(1, waited * 1e3, users=max(users, self.sharers()))

@@ -4,9 +4,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
-from edgespec.head.engine.mode import Mode
+from edgespec.head.engine.mode import Mode, Steps
 from edgespec.sampling import SamplerSettings
 from edgespec.tree import core
 
@@ -17,7 +16,7 @@ class SyncMode(Mode):
     name = "sync"
     summary = "one drafted tree per lap, verified whole when it returns"
 
-    def steps(self, root: int, sampling: SamplerSettings) -> Iterator[list[int]]:
+    def steps(self, root: int, sampling: SamplerSettings) -> Steps:
         ctx, policy = self.ctx, self.ctx.policy
         while True:
             users = ctx.sharers()
@@ -27,14 +26,14 @@ class SyncMode(Mode):
             ctx.log_choice("sync", budget=budget)
             t_step = time.perf_counter()
             if budget == 0:
-                gained = ctx.plain_step(root, sampling)
+                gained = yield from ctx.plain_step(root, sampling)
                 root = gained[-1]
                 yield gained
                 policy.record_plain(time.perf_counter() - t_step, max(users, ctx.sharers()))
                 continue
             rnd = ctx.new_tree(root, sampling, budget)
             ctx.send_rows(rnd, sampling, 1)
-            res = ctx.chain.next_result()
+            res = yield from ctx.next_result()
             ctx.stats.lap_timing.got(res)
             ctx.stats.laps += 1
             users = max(users, ctx.sharers())
