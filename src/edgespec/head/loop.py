@@ -63,7 +63,7 @@ class RingLoop:
         self._commands: list[_Command] = []
         self.active: list[Request] = []
         self._draining: list[Slot] = []
-        self._closed = False
+        self._closed = self._closing = False
         self._thread = threading.Thread(target=self._run, name="edgespec-ring", daemon=True)
         self._thread.start()
 
@@ -96,6 +96,7 @@ class RingLoop:
         return self._thread.is_alive()
 
     def close(self) -> None:
+        self._closing = True  # a read the close breaks is not a lost node
         self._inbox.put(_CLOSE)
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=30)
@@ -392,6 +393,8 @@ class RingLoop:
             assert req.slot is not None
             req.previous = req.slot.engine.stats.merged(req.previous)
         try:
+            if self._closing:
+                raise RingError("the ring was closed")
             if not self.scheduler.can_recover:
                 raise exc
             self.scheduler.recover(exc)
