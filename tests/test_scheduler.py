@@ -47,23 +47,25 @@ def test_admits_parallel_requests_then_queues_in_order_then_refuses():
     with pytest.raises(RingBusy, match="max_queue 2"):
         s.admit()
     # The loop starts the ticket at the head of the queue in a free slot, one after another.
+    held = []
     for ticket in tickets[:2]:
         assert s.head_ticket() is ticket
         slot = s.choose([1, 2, 3])
         assert slot is not None
         s.take(ticket, slot)
+        held.append(slot)
     assert s.choose([1, 2, 3]) is None  # both busy: the others wait
     assert s.head_ticket() is tickets[2]
     assert s.state() == {"serving": 2, "queued": 2, "max_queue": 2}
     assert s.busy() == 2
-    s.free(tickets[1].slot)  # a slot frees: the oldest waiting ticket is next, not the newest
-    assert s.choose([1, 2, 3]) is tickets[1].slot
-    s.take(tickets[2], tickets[1].slot)
+    s.free(held[1])  # a slot frees: the oldest waiting ticket is next, not the newest
+    assert s.choose([1, 2, 3]) is held[1]
+    s.take(tickets[2], held[1])
     assert s.head_ticket() is tickets[3]
     tickets[3].withdraw()
     assert s.head_ticket() is None
-    for t in (tickets[0], tickets[2]):
-        s.free(t.slot)
+    for slot in held:
+        s.free(slot)
     assert s.wait_idle(5)
     assert s.state() == {"serving": 0, "queued": 0, "max_queue": 2}
     s.admit().withdraw()  # room again

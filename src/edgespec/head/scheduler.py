@@ -41,13 +41,12 @@ RECOVERY_BACKOFF_S = 0.5
 class Ticket:
     """A request's place in the admission queue (``Scheduler.admit``)."""
 
-    __slots__ = ("_scheduler", "number", "slot", "state")
+    __slots__ = ("_scheduler", "number", "state")
 
     def __init__(self, scheduler: Scheduler, number: int) -> None:
         self._scheduler = scheduler
         self.number = number
         self.state = "waiting"  # -> "serving", or "withdrawn"
-        self.slot: Slot | None = None
 
     def withdraw(self) -> None:
         """Give the place up (a request that will not run after all); no-op once served."""
@@ -154,7 +153,6 @@ class Scheduler:
             ticket.state = "serving"
             self._serving += 1
             slot.busy = True
-            ticket.slot = slot
             self._cond.notify_all()
 
     def free(self, slot: Slot) -> None:

@@ -67,12 +67,10 @@ class Demux:
             self.owner.popitem(last=False)
 
     def route(self, item: Result | Exception) -> list[int] | None:
-        """The slots ``item`` goes to (by index): its lap's owner; every slot for a lost node;
-        [] to drop it (an abandoned or unknown lap); None for an error of no lap (the
-        loop's own)."""
+        """The slots ``item`` goes to (by index): its lap's owner; [] to drop it (an
+        abandoned or unknown lap); None for an error of no lap (the loop's own, as a lost
+        node is)."""
         lap = getattr(item, "lap", None)
-        if isinstance(item, NodeLost):
-            return [s.index for s in self.slots]
         slot = self.owner.get(lap) if lap is not None else None
         if slot is not None:
             return [slot.index]

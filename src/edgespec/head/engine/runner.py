@@ -352,9 +352,8 @@ class SpecEngine:
                 chunks.append([prompt[-1]])
         # Alone, every chunk goes at once: they stream back to back through the stages, so
         # a long prompt is pipelined across the ring. Beside other requests, one chunk per
-        # stage at most is in flight: each goes out with the others' batches of a round of
-        # the loop and rides in their decode (5.7), so a long prompt takes a share of every
-        # stage lap after lap instead of queueing all its chunks ahead of their next tokens.
+        # stage at most is in flight, so a long prompt takes a share of every stage lap
+        # after lap instead of queueing all its chunks ahead of their next tokens.
         window = max(1, self.chain.n_stages) if shared else len(chunks)
         start, sent, res = keep, 0, None
         for got in range(len(chunks)):
