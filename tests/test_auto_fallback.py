@@ -16,6 +16,7 @@ from edgespec.drafters import Drafter, DraftTree
 from edgespec.head.engine import SpecEngine
 from edgespec.head.engine.gain import GainMeter, RingRates
 from edgespec.head.engine.policy import TreePolicy
+from edgespec.head.request import Request
 from edgespec.params import GenerationParams
 
 
@@ -87,10 +88,17 @@ def _prompt(ring: Ring) -> list[int]:
     return [int(t) for t in rng.integers(3, ring.tokenizer.n_vocab, 16)]
 
 
-def _decode(engine: SpecEngine, prompt: list[int], n: int, mode: str) -> list[int]:
+def _generate(engine: SpecEngine, prompt: list[int], n: int, mode: str) -> Request:
+    """``prompt``'s generation on the engine itself, from an empty cache: the request, with
+    its tokens and statistics."""
     engine.reset()
-    return [t for chunk in engine.run(prompt, GenerationParams(max_tokens=n), mode)
-            for t in chunk]
+    req = Request(prompt, GenerationParams(max_tokens=n), mode)
+    req.tokens = [t for chunk in engine.run(req) for t in chunk]
+    return req
+
+
+def _decode(engine: SpecEngine, prompt: list[int], n: int, mode: str) -> list[int]:
+    return _generate(engine, prompt, n, mode).tokens
 
 
 @pytest.mark.parametrize("mode", ["auto", "flow"])
@@ -105,8 +113,9 @@ def test_useless_drafter_decodes_plain_laps(ring, mode):
     # Second: its own trial step (the drafter may suit this prompt), then the probing
     # interval the first one reached (64).
     for generation, most in ((0, 5), (1, 2)):
-        assert _decode(engine, prompt, n, mode) == ref
-        s = engine.stats
+        req = _generate(engine, prompt, n, mode)
+        assert req.tokens == ref
+        s = req.stats
         assert s.mode == "flow"
         trees = s.steps - s.plain_steps
         assert 1 <= trees <= most, f"generation {generation}: {trees} tree steps of {s.steps}"
@@ -134,8 +143,9 @@ def test_useful_drafter_keeps_its_trees(heavier_ring):
     ref = _decode(SpecEngine(ring.chain, n_ctx=1024), prompt, 64, "none")
     engine = SpecEngine(ring.chain, n_ctx=1024,
                         drafter=RightDrafter(prompt + ref, ring.tokenizer.n_vocab))
-    assert _decode(engine, prompt, 64, "auto") == ref
-    s = engine.stats
+    req = _generate(engine, prompt, 64, "auto")
+    assert req.tokens == ref
+    s = req.stats
     assert s.mode == "flow"
     assert s.mean_accepted > 2
     # Tokens from tree steps. (The first one-step trial may lose on this serial in-process
@@ -299,16 +309,18 @@ def test_a_request_on_a_full_pipeline_leaves_the_drafter_until_it_drafts(ring) -
     engine = SpecEngine(ring.chain, n_ctx=1024,
                         drafter=CountingDrafter(prompt + ref, ring.tokenizer.n_vocab))
     engine.sharers = lambda: 2  # two stages: full
-    assert _decode(engine, prompt, n, "flow") == ref
-    assert engine.drafter.begun == [] and engine.stats.plain_steps == n
+    req = _generate(engine, prompt, n, "flow")
+    assert req.tokens == ref
+    assert engine.drafter.begun == [] and req.stats.plain_steps == n
     # Full while the first 10 steps are decided, then alone: trees from the text so far.
     calls = iter(range(10**6))
     engine.sharers = lambda: 2 if next(calls) < 12 else 1
-    assert _decode(engine, prompt, n, "flow") == ref
+    req = _generate(engine, prompt, n, "flow")
+    assert req.tokens == ref
     (text,) = engine.drafter.begun
     assert text[:len(prompt)] == prompt and len(prompt) < len(text) < len(prompt) + n
     assert text == (prompt + ref)[:len(text)]
-    assert engine.stats.plain_steps < n
+    assert req.stats.plain_steps < n
     engine.sharers = lambda: 1
     assert _decode(engine, prompt, n, "flow") == ref
     assert engine.drafter.begun[-1] == prompt

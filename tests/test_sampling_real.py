@@ -17,6 +17,7 @@ import pytest
 from scipy import stats
 
 from edgespec.api import Ring
+from edgespec.head.request import Request
 from edgespec.params import GenerationParams
 
 pytestmark = pytest.mark.real_model
@@ -68,8 +69,8 @@ def first_tokens(ring):
         out = np.zeros(DRAWS, np.int64)
         for seed in range(DRAWS):
             # The engine itself: the API would hide an end-of-generation token.
-            run = ring.engine.run(prompt, GenerationParams(max_tokens=1, seed=seed, **CHAIN),
-                                  mode)
+            run = ring.engine.run(Request(prompt, GenerationParams(
+                max_tokens=1, seed=seed, **CHAIN), mode))
             out[seed] = next(run)[0]
             run.close()
         draws[mode] = out
@@ -122,8 +123,8 @@ def penalised_tokens(ring):
     for mode in ("none", "sync", "flow"):
         out = np.zeros((DRAWS, 3), np.int64)
         for seed in range(DRAWS):
-            run = ring.engine.run(prompt, GenerationParams(
-                max_tokens=3, seed=seed, **CHAIN, **PENALTIES), mode)
+            run = ring.engine.run(Request(prompt, GenerationParams(
+                max_tokens=3, seed=seed, **CHAIN, **PENALTIES), mode))
             got = [t for chunk in run for t in chunk][:3]
             run.close()
             out[seed] = got

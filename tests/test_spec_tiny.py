@@ -12,6 +12,7 @@ from tinygguf import make_tiny_gguf
 from edgespec.api import Ring
 from edgespec.drafters import DraftModelDrafter, HybridDrafter, RetrievalDrafter
 from edgespec.head.engine import EngineConfig
+from edgespec.head.request import Request
 from edgespec.params import GenerationParams
 
 
@@ -113,8 +114,8 @@ def test_sampled_first_token_follows_target_distribution(ring, tiny_target):
     counts = np.zeros(len(p))
     for seed in range(3000):
         # The engine itself: the API would hide an end-of-generation token, which counts here.
-        run = head.engine.run(prompt, GenerationParams(max_tokens=1, temperature=1.0, seed=seed),
-                              "flow")
+        run = head.engine.run(Request(prompt, GenerationParams(
+            max_tokens=1, temperature=1.0, seed=seed), "flow"))
         counts[next(run)[0]] += 1
         run.close()
     keep = p * 3000 >= 5  # pool rare tokens so the test's assumptions hold

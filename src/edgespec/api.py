@@ -361,11 +361,11 @@ class Ring:
         out = request.output
         assert out is not None
         slot = request.slot
+        stats = request.stats
         if slot is None:  # withdrawn while it waited: it never reached the ring
             stats = GenerationStats(mode=request.mode, prompt_tokens=len(request.prompt))
             stats.queue_ms = (time.perf_counter() - request.t_start) * 1e3
         else:
-            stats = slot.engine.stats
             self._last_slot = slot
         stats.tokens = len(out.tokens)
         generation = Generation(out.text, out.tokens, stats, out.finish, request.capped,

@@ -194,11 +194,7 @@ class RingLoop:
         """Its generation's coroutine on its slot: the prompt, or after a rebuild the prompt
         and its tokens so far (replayed as they were decoded) for the rest of its budget."""
         assert req.slot is not None
-        done = len(req.tokens)
-        params = (req.params.replace(max_tokens=req.params.max_tokens - done) if done
-                  else req.params)
-        req.coro = req.slot.engine.start(req.prompt + req.tokens, params, req.mode,
-                                         cancel=req.cancel, replay=done, t_start=req.t_start)
+        req.coro = req.slot.engine.start(req)
         req.answer, req.blocked = None, False
 
     def _cancels(self) -> None:
@@ -263,14 +259,13 @@ class RingLoop:
         to it are back (``_settle``)."""
         slot = req.slot
         assert slot is not None
-        engine = slot.engine
         if req.previous is not None:
-            engine.stats, req.previous = engine.stats.merged(req.previous), None
-        engine.stats.queue_ms = req.queued_s * 1e3
+            req.stats, req.previous = req.stats.merged(req.previous), None
+        req.stats.queue_ms = req.queued_s * 1e3
         if req in self.active:
             self.active.remove(req)
         slot.tokens = len(req.tokens if req.output is None else req.output.tokens)
-        slot.tokens_per_s = engine.stats.tokens_per_s
+        slot.tokens_per_s = req.stats.tokens_per_s
         if slot not in self._draining:
             self._draining.append(slot)
 
@@ -337,7 +332,7 @@ class RingLoop:
         out = req.output
         assert out is not None and req.slot is not None
         req.tokens.extend(chunk)
-        piece = out.feed(chunk, req.slot.engine.scores.last if req.scored else None)
+        piece = out.feed(chunk, req.scores.last if req.scored else None)
         if piece:
             req.outbox.put(piece)
         if out.done:
@@ -390,8 +385,7 @@ class RingLoop:
                 with contextlib.suppress(BaseException):
                     req.coro.throw(exc)  # its generation ends without waiting on the chain
                 req.coro = None
-            assert req.slot is not None
-            req.previous = req.slot.engine.stats.merged(req.previous)
+            req.previous = req.stats.merged(req.previous)
         try:
             if self._closing:
                 raise RingError("the ring was closed")

@@ -7,7 +7,9 @@ Streaming it hands it to the ring's loop (``edgespec.head.loop``), which alone w
 while it runs: its place in the queue, its slot, the coroutine of its generation, the tokens
 accepted so far (the source of a replay after a lost node), its output (text, end, log
 probabilities: ``OutputProcessor``, run on the loop so an end frees its rows at once), and in
-the end its ``Generation`` or its error. Whoever reads it (``TextStream``: Python, the chat
+the end its ``Generation`` or its error. The engine of the slot it runs on keeps its
+generation's state here too (statistics, log probabilities, sampler, drafter), so a slot holds
+only what its KV cache holds and a replay finds everything on the request. Whoever reads it (``TextStream``: Python, the chat
 CLI, the server) only takes pieces from ``outbox`` and sets ``cancel``.
 """
 
@@ -18,11 +20,15 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from edgespec.head.engine.sampler import SamplerHandle
+from edgespec.head.engine.scores import ScoreQueue
 from edgespec.head.engine.stats import GenerationStats
 from edgespec.head.output import OutputProcessor, TokenLogprob
 from edgespec.params import GenerationParams
+from edgespec.sampling import SamplerSettings
 
 if TYPE_CHECKING:
+    from edgespec.drafters.base import Drafter
     from edgespec.head.engine.mode import Steps
     from edgespec.head.scheduler import Ticket
     from edgespec.head.slots import Slot
@@ -85,6 +91,26 @@ class Request:
     #: Its statistics on the rings it ran on before a rebuild (merged at the end).
     previous: GenerationStats | None = None
     queued_s: float = 0.0
+
+    # ---- its generation's state, set by the engine of the slot that runs it
+    # (``SpecEngine.start``, again at a replay); the slot keeps only what its KV holds.
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    #: Its tokens' log probabilities, queued by the steps until the output takes them.
+    scores: ScoreQueue = field(default_factory=ScoreQueue)
+    #: Its sampler at the last stage (registered by its prefill, released at its end).
+    sampler: SamplerHandle = field(
+        default_factory=lambda: SamplerHandle(SamplerSettings()))
+    #: What it drafts with: its slot's drafter, or that drafter held to its grammar.
+    drafter: Drafter | None = None
+    #: Its drafter has not read its text yet (a tree mode on a shared ring reads it at the
+    #: first tree, docs/design.md 5.8).
+    drafter_behind: bool = False
+    #: Where its text starts in its slot's committed history (what penalties look back on).
+    text_start: int = 0
+    #: Tokens it still wants: a mode never drafts ahead past them.
+    room: int = 0
+    #: The tree sizing last logged for it.
+    last_choice: tuple | None = None
 
     @property
     def scored(self) -> bool:

@@ -245,10 +245,10 @@ class Slot:
     inbox: collections.deque = field(default_factory=collections.deque)
 
     def info(self) -> dict[str, Any]:
+        req = self.engine.req
         busy = self.busy
-        stats = self.engine.stats
-        tokens = stats.tokens if busy else self.tokens
-        speed = stats.tokens_per_s if busy else self.tokens_per_s
+        tokens = req.stats.tokens if busy and req is not None else self.tokens
+        speed = req.stats.tokens_per_s if busy and req is not None else self.tokens_per_s
         return {"slot": self.index, "state": "busy" if busy else "free", "tokens": tokens,
                 "tokens_per_s": round(speed, 3), "prompt_tokens": self.prompt_tokens,
                 "history_tokens": len(self.engine.history),

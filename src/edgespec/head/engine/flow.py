@@ -45,10 +45,10 @@ class FlowMode(Mode):
         while True:
             users = ctx.sharers()  # requests decoding during the step, at most
             seg = policy.flow_segment(users, ctx.chain.n_stages)
-            ctx.stats.probes = policy.probes
-            ctx.stats.segment = seg
-            ctx.stats.budget = self.ahead_limit() if seg else 0
-            ctx.log_choice("flow", segment=seg, ahead=ctx.stats.budget)
+            ctx.req.stats.probes = policy.probes
+            ctx.req.stats.segment = seg
+            ctx.req.stats.budget = self.ahead_limit() if seg else 0
+            ctx.log_choice("flow", segment=seg, ahead=ctx.req.stats.budget)
             t_step = time.perf_counter()
             if seg == 0:
                 # a plain lap reads the next result: make it its own
@@ -76,8 +76,8 @@ class FlowMode(Mode):
                     if not (yield POLL) and self.draft_ahead(rnd, sampling, seg):
                         continue
                     res = yield from ctx.next_result()
-                    ctx.stats.lap_timing.got(res)
-                    ctx.stats.laps += 1
+                    ctx.req.stats.lap_timing.got(res)
+                    ctx.req.stats.laps += 1
                     if res.lap != rnd.lap:
                         stale[res.lap] -= 1  # a decided tree's segment: already pruned
                         continue
@@ -99,7 +99,7 @@ class FlowMode(Mode):
                             self.prune(rnd, d)
                             # A pending decision's tokens are final: stream them now.
                             if len(d.tokens) > streamed:
-                                ctx.scores.path(rnd, d.path, streamed, len(d.tokens))
+                                ctx.req.scores.path(rnd, d.path, streamed, len(d.tokens))
                                 new = [int(t) for t in d.tokens[streamed:]]
                                 streamed = rnd.streamed = len(d.tokens)
                                 yield new
@@ -139,7 +139,7 @@ class FlowMode(Mode):
             # Rows die at once everywhere (direct message); their seqs are freed in ring
             # order (pre_ops of the next batch), behind any of their rows still in flight.
             ctx.chain.prune(dead.tolist(), lap=rnd.lap)
-            ctx.stats.rows_pruned += len(dead)
+            ctx.req.stats.rows_pruned += len(dead)
             ctx.pending_ops.extend(KvOp.rows(plan.ops))
         rnd.frontier = int(d.path[-1])
         rnd.frontier_tokens = [int(t) for t in d.tokens]
@@ -166,13 +166,13 @@ class FlowMode(Mode):
         one segment, unless enough unverified rows are in flight already or the caller wants
         no more tokens than those could give. False when nothing was sent."""
         ctx = self.ctx
-        if ctx.drafter is None:
+        if ctx.req.drafter is None:
             return False
         n = rnd.tree.n_rows
         alive = rnd.tree.alive()[:n].astype(bool)
         unverified = np.flatnonzero(alive[rnd.verified_rows:]) + rnd.verified_rows
         ahead = len(unverified)
-        if ahead >= self.ahead_limit() or ahead + 1 >= ctx.room:
+        if ahead >= self.ahead_limit() or ahead + 1 >= ctx.req.room:
             return False
         under, path = rnd.frontier, list(rnd.frontier_tokens)
         if ahead:
@@ -199,9 +199,9 @@ class FlowMode(Mode):
                 if walk == rnd.frontier:
                     under, path = best_leaf, path + below[::-1]
         td = time.perf_counter()
-        dt = ctx.drafter.propose_under(path, seg, ctx.max_depth)
+        dt = ctx.req.drafter.propose_under(path, seg, ctx.max_depth)
         spent = time.perf_counter() - td
-        ctx.stats.draft_s += spent
+        ctx.req.stats.draft_s += spent
         if len(dt) == 0:
             return False
         ctx.policy.cost.observe_draft(len(dt), spent * 1e3)

@@ -5,7 +5,7 @@ lap, a drafted tree, sending its rows, committing a decision). One file per mode
 read their names from it. A new mode is one file and one line in ``registry``.
 
 A mode decides what each step sends and when a step ends; the engine owns the committed
-history, lap ids, KV operations and statistics; ``TreePolicy`` (``policy``) says whether a
+history, lap ids and KV operations, the request its generation's statistics and drafter; ``TreePolicy`` (``policy``) says whether a
 tree pays now and how big it is.
 """
 
@@ -16,12 +16,11 @@ from collections.abc import Generator
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 if TYPE_CHECKING:
-    from edgespec.drafters.base import Drafter, DraftTree
+    from edgespec.drafters.base import DraftTree
     from edgespec.head.chain import Chain
     from edgespec.head.engine.inflight import TreeInFlight
     from edgespec.head.engine.policy import TreePolicy
-    from edgespec.head.engine.scores import ScoreQueue
-    from edgespec.head.engine.stats import GenerationStats
+    from edgespec.head.request import Request
     from edgespec.sampling import SamplerSettings
     from edgespec.tree import core
     from edgespec.tree.kvop import KvOp
@@ -55,19 +54,16 @@ class StepContext(Protocol):
     """What a mode may use of the engine (``SpecEngine`` is the one implementation)."""
 
     chain: Chain
-    drafter: Drafter | None
-    stats: GenerationStats
+    #: The request it runs: its generation's state (``stats``, ``scores`` of its tokens,
+    #: its ``drafter``, ``room``: tokens it still wants, a mode never drafts ahead past them).
+    req: Request
     policy: TreePolicy
     max_depth: int
-    #: Tokens the caller still wants: a mode never drafts ahead past them.
-    room: int
     #: lap -> results of decided trees still in flight (read and dropped by ``drain_stale``).
     stale: Counter
     #: KV operations due before the next batch (they travel as its ``pre_ops``).
     pending_ops: list[KvOp]
     listeners: list
-    #: The log probabilities of the tokens gained, when asked (a step queues its tokens').
-    scores: ScoreQueue
 
     def sharers(self) -> int:
         """Requests decoding on the ring now, this one included."""

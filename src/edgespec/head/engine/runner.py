@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import secrets
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -48,6 +47,7 @@ from edgespec.tree import core
 from edgespec.tree.kvop import KvOp, KvOpCode
 
 if TYPE_CHECKING:
+    from edgespec.head.request import Request
     from edgespec.params import GenerationParams
 
 log = logging.getLogger("edgespec.head.engine")
@@ -89,10 +89,10 @@ class SpecEngine:
         config = config or EngineConfig()
         # The head's llama.cpp model (a vocabulary is enough): grammars' matchers for drafting.
         self.vocab = vocab
-        # Where the generated text starts in ``history``, and the generation's sampler at
-        # the last stage (``SamplerHandle``).
-        self._text_start = 0
-        self.sampler = SamplerHandle(SamplerSettings())
+        # The request this slot runs now (None between them): its generation's state is the
+        # request's (``Request``: statistics, log probabilities, sampler, drafter), the
+        # engine keeps what the slot's KV cache holds.
+        self.req: Request | None = None
         self.chain = chain
         # Tree leaves at most (each owns a seq id 1..max_seqs): a slot of a ring serving
         # several sequences owns fewer seq ids (edgespec.head.slots).
@@ -107,8 +107,6 @@ class SpecEngine:
         self.policy = TreePolicy(cost, ring_rates, budget=config.budget,
                                  segments=config.segments)
         self.history: list[int] = []  # tokens committed in KV sequence 0 on every stage
-        self.stats = GenerationStats()
-        self.scores = ScoreQueue()  # the tokens' log probabilities, when asked (``run``)
         # Lap ids name batches on every stage (pruning remembers recent laps): start each head
         # somewhere random so a new head on the same stages never reuses a recent lap id.
         self._lap = secrets.randbits(30)
@@ -120,15 +118,11 @@ class SpecEngine:
         # Results the chain still owes this engine (every batch sent is answered once):
         # a generation cut short leaves some, read and dropped before the next one starts.
         self.owed = 0
-        self.room = 0  # tokens the caller still wants (flow stops expanding past it)
-        self._last_choice: tuple | None = None
         # Observers of tree events (the server's live view); empty: no event is even built.
         self.listeners: list[Callable[[dict], None]] = []
         # Requests decoding on this ring at once, this one included (a slot pool sets it,
         # docs/design.md 5.8): the tree budget and prefill chunks are shared between them.
         self.sharers: Callable[[], int] = lambda: 1
-        # The drafter has not read this generation's text yet (``_generate``).
-        self._drafter_behind = False
 
     # ------------------------------------------------------------------ public
 
@@ -161,76 +155,76 @@ class SpecEngine:
         self.owed = 0
         self.pending_ops = KvOp.clear()
 
-    def run(self, prompt: Sequence[int], params: GenerationParams, mode: str = "auto", *,
-            cancel: threading.Event | None = None, replay: int = 0,
-            t_start: float | None = None) -> Iterator[list[int]]:
+    def run(self, req: Request) -> Iterator[list[int]]:
         """``start``'s generation driven on the calling thread (``drive_alone``): the tokens
         gained by each step, in order."""
-        return drive_alone(self.start(prompt, params, mode, cancel=cancel, replay=replay,
-                                      t_start=t_start), self.chain)
+        return drive_alone(self.start(req), self.chain)
 
-    def start(self, prompt: Sequence[int], params: GenerationParams, mode: str = "auto", *,
-              cancel: threading.Event | None = None, replay: int = 0,
-              t_start: float | None = None) -> Steps:
-        """The coroutine of a generation after ``prompt`` as ``params`` say (the request's own
-        object, carried unchanged from where it was checked): it yields the tokens gained by
-        each step, in order, and ``WAIT``/``POLL`` where it needs the ring (``mode.Need``).
+    def start(self, req: Request) -> Steps:
+        """The coroutine of ``req``'s generation: after its prompt as its settings say (its
+        own object, carried unchanged from where it was checked), in its mode. It yields the
+        tokens gained by each step, in order, and ``WAIT``/``POLL`` where it needs the ring
+        (``mode.Need``); its state (statistics, log probabilities, sampler, drafter) is set
+        on ``req``.
 
-        Stops after ``params.max_tokens`` tokens, or at the next step once ``cancel`` is set; where
+        Stops after its ``max_tokens``, or at the next step once its ``cancel`` is set; where
         the answer ends before that (an end-of-generation token, a stop string) is the
         caller's to decide (``edgespec.head.output``): it closes the iterator.
-        ``replay``: the last ``replay`` tokens before the prompt's last one are recomputed one
-        per batch, as they were first decoded, so a generation resumed on a rebuilt ring sees
-        the same numbers as the original.
-        ``t_start``: when the request began (``time.perf_counter``), for the time to first
-        token (default: now).
+        A request with tokens already (``req.tokens``: a replay on a rebuilt ring) goes on
+        after them for the rest of its budget: they are recomputed one per batch after the
+        prompt, as they were first decoded, so it sees the same numbers as the first time.
+        Its time to first token counts from ``req.t_start`` (where set; else now).
 
         Every mode takes its first token from the prefill: the prompt's last token rides in
         the last prefill chunk, its row wanted, so the first token comes back one lap sooner
         (docs/design.md 5.8), and the first step (plain or tree) hangs below it. A drafter
         reads the prompt while the prefill is in flight.
         """
-        unconstrained = self.drafter
+        done = len(req.tokens)
+        prompt = [int(t) for t in req.prompt + req.tokens]
+        params = (req.params.replace(max_tokens=req.params.max_tokens - done) if done
+                  else req.params)
+        req.drafter = self.drafter
         if (params.grammar is not None and self.drafter is not None and self.vocab is not None
-                and self.resolve_mode(mode) != "none"):
+                and self.resolve_mode(req.mode) != "none"):
             # This generation drafts what the grammar forces, and only what it allows.
-            self.drafter = constrained_drafter(self.drafter, self.vocab, params.grammar.text,
-                                               [int(t) for t in prompt[len(prompt) - replay:]])
+            req.drafter = constrained_drafter(self.drafter, self.vocab, params.grammar.text,
+                                              prompt[len(prompt) - done:])
+        self.req = req
         try:
-            yield from self._generate(prompt, params, mode, cancel, replay, t_start)
+            yield from self._generate(req, prompt, params, done)
         finally:
-            self.drafter = unconstrained
+            self.req = None
 
-    def _generate(self, prompt: Sequence[int], params: GenerationParams, mode: str,
-                  cancel: threading.Event | None, replay: int, t_start: float | None
-                  ) -> Steps:
-        prompt = [int(t) for t in prompt]
-        max_tokens, sampling = params.max_tokens, params.sampling
+    def _generate(self, req: Request, prompt: list[int], params: GenerationParams,
+                  replay: int) -> Steps:
+        max_tokens, sampling, cancel = params.max_tokens, params.sampling, req.cancel
         if not prompt:
             raise ValueError("empty prompt: give at least one token")
         if len(prompt) + max_tokens > self.n_ctx:
             raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) "
                              f"exceeds the context size {self.n_ctx}")
-        mode = self.resolve_mode(mode)
-        self._text_start = len(prompt) - replay
-        self.stats = GenerationStats(mode=mode, prompt_tokens=len(prompt))
-        self.scores = ScoreQueue(sampling.logprobs >= 0)
-        self.sampler = SamplerHandle(sampling)
+        mode = self.resolve_mode(req.mode)
+        req.text_start = len(prompt) - replay
+        req.stats = GenerationStats(mode=mode, prompt_tokens=len(prompt))
+        req.scores = ScoreQueue(sampling.logprobs >= 0)
+        req.sampler = SamplerHandle(sampling)
+        req.last_choice = None
         self.policy.begin()
         yield from self.drain_stale()  # what an earlier generation cut short left in flight
         t0 = t1 = time.perf_counter()
-        t_start = t0 if t_start is None else t_start
-        drafter = self.drafter if mode != "none" else None
+        t_start = req.t_start or t0
+        drafter = req.drafter if mode != "none" else None
         # Beside other requests the head's one draft model is theirs too, and on a full
         # pipeline this one decodes plain laps (TreePolicy.pipeline_full): its drafter reads
         # the text when it first drafts a tree (``new_tree``), not the prompt now.
-        self._drafter_behind = drafter is not None and self.sharers() > 1
+        req.drafter_behind = drafter is not None and self.sharers() > 1
 
         def begin_drafter() -> None:
-            if drafter is not None and not self._drafter_behind:
+            if drafter is not None and not req.drafter_behind:
                 td = time.perf_counter()
                 drafter.begin(prompt)
-                self.stats.draft_s += time.perf_counter() - td
+                req.stats.draft_s += time.perf_counter() - td
 
         failed = False
         steps = None
@@ -242,14 +236,14 @@ class SpecEngine:
                                                    root_alone=replay > 0,
                                                    while_waiting=begin_drafter)
             assert first is not None  # want_root: the prefill brought the first token
-            self.stats.prefill_s = time.perf_counter() - t0
-            if drafter is not None and not self._drafter_behind:
+            req.stats.prefill_s = time.perf_counter() - t0
+            if drafter is not None and not req.drafter_behind:
                 td = time.perf_counter()
                 drafter.accept([first])
-                self.stats.draft_s += time.perf_counter() - td
+                req.stats.draft_s += time.perf_counter() - td
             t1 = time.perf_counter()
             produced = 0
-            self.room = max_tokens
+            req.room = max_tokens
             steps = self._steps(mode, root, first, sampling)
             answer = None
             while True:
@@ -260,12 +254,12 @@ class SpecEngine:
                     continue
                 gained = len(chunk)
                 chunk = chunk[: max_tokens - produced]
-                self.scores.take(len(chunk), gained)
+                req.scores.take(len(chunk), gained)
                 if produced == 0 and chunk:
-                    self.stats.ttft_ms = (time.perf_counter() - t_start) * 1e3
+                    req.stats.ttft_ms = (time.perf_counter() - t_start) * 1e3
                 produced += len(chunk)
-                self.room = max_tokens - produced
-                self.stats.tokens = produced
+                req.room = max_tokens - produced
+                req.stats.tokens = produced
                 yield chunk
                 if produced >= max_tokens:
                     break
@@ -277,8 +271,8 @@ class SpecEngine:
             failed = True  # the chain may be gone: do not wait on it
             raise
         finally:
-            self.stats.decode_s = time.perf_counter() - t1
-            self.stats.lap_timing.log(log)  # the lap-timing view with -v (DEBUG)
+            req.stats.decode_s = time.perf_counter() - t1
+            req.stats.lap_timing.log(log)  # the lap-timing view with -v (DEBUG)
             if not failed:
                 # Close the step generator now (not at garbage collection): a step cut
                 # short registers its batches in flight (``owed``: read before the next
@@ -288,12 +282,12 @@ class SpecEngine:
                     steps.close()
                 self.pending_ops.append(KvOp(KvOpCode.RM, 0, len(self.history), -1))
                 # The request's sampler at the last stage goes with the last KV operations.
-                self._flush_ops(release=[self.sampler.key] if self.sampler.key else ())
-            elif self.sampler.key:
+                self._flush_ops(release=[req.sampler.key] if req.sampler.key else ())
+            elif req.sampler.key:
                 # Best effort on a chain that may be gone (a rebuilt ring's replay
                 # registers again; an unreleased sampler ages out at the last stage).
                 try:
-                    self.chain.kv((), [self.sampler.key])
+                    self.chain.kv((), [req.sampler.key])
                 except Exception:
                     log.debug("sampler of a failed generation not released", exc_info=True)
 
@@ -302,9 +296,9 @@ class SpecEngine:
     def _steps(self, mode: str, root: int, first: int, sampling: SamplerSettings
                ) -> Steps:
         """The prefill's token (``root`` committed), then the mode's steps below it."""
-        self.stats.steps += 1
-        self.stats.plain_steps += 1  # no tree: a plain lap's token (the prefill's last lap)
-        self.stats.accepted_hist[1] += 1
+        self.req.stats.steps += 1
+        self.req.stats.plain_steps += 1  # no tree: a plain lap's token (the prefill's last lap)
+        self.req.stats.accepted_hist[1] += 1
         if self.listeners:  # the prefill's last lap brought it
             self.emit({"e": "plain", "lap": self._lap, "root": int(root), "token": int(first)})
         yield [first]
@@ -335,7 +329,7 @@ class SpecEngine:
         self.pending_ops.append(KvOp(KvOpCode.RM, 0, keep, -1))
         del self.history[keep:]
         todo = prompt[keep:-1]
-        self.stats.prefill_tokens = len(todo) + 1
+        self.req.stats.prefill_tokens = len(todo) + 1
         n_bulk = max(0, len(todo) - max(0, singles))
         # Other requests decoding meanwhile: smaller chunks, so a decode batch that rides
         # along with one at a stage (docs/design.md 5.7) waits less for it.
@@ -369,7 +363,7 @@ class SpecEngine:
                     want[-1] = True
                 self._submit(Batch(np.array(part, np.int32), pos, SeqIds.single(n),
                                    np.arange(n, dtype=np.int32), want, lap=self._new_lap(),
-                                   sampling=(self.sampler.register(prompt[self._text_start:])
+                                   sampling=(self.req.sampler.register(prompt[self.req.text_start:])
                                              if last and sampling is not None
                                              else SamplerRef())))
                 sent += 1
@@ -380,7 +374,7 @@ class SpecEngine:
         if not want_root:
             return prompt[-1], None
         assert res is not None and len(res.targets) == 1
-        self.scores.plain(res)
+        self.req.scores.plain(res)
         self.history.append(prompt[-1])
         return prompt[-1], int(res.targets[0])
 
@@ -402,8 +396,8 @@ class SpecEngine:
         if self.pending_ops:
             batch.pre_ops = self.pending_ops + list(batch.pre_ops)
             self.pending_ops = []
-        self.stats.rows_sent += len(batch)
-        self.stats.lap_timing.sent(batch)
+        self.req.stats.rows_sent += len(batch)
+        self.req.stats.lap_timing.sent(batch)
         self.chain.submit(batch)
         self.owed += 1
 
@@ -421,7 +415,7 @@ class SpecEngine:
         generation's cut short), so the next ``next_result`` is the caller's own."""
         while self.owed > 0:
             res = yield from self.next_result()
-            self.stats.lap_timing.got(res)
+            self.req.stats.lap_timing.got(res)
         self.stale.clear()
 
     def _flush_ops(self, release: Sequence[int] = ()) -> None:
@@ -435,7 +429,7 @@ class SpecEngine:
                   tokens: Sequence[int] = ()) -> SamplerRef:
         """What a batch of the step below ``root`` (its tree: ``parents``, ``tokens``) tells
         the last stage's sampler (``SamplerHandle.ref``)."""
-        return self.sampler.ref(self.history, self._text_start, root, (parents, tokens))
+        return self.req.sampler.ref(self.history, self.req.text_start, root, (parents, tokens))
 
     def _commit(self, tokens: Sequence[int]) -> None:
         self.history.extend(int(t) for t in tokens)
@@ -451,24 +445,24 @@ class SpecEngine:
                            SeqIds.single(1), np.zeros(1, np.int32), np.ones(1, bool),
                            lap=self._new_lap(), sampling=self._for_rows(root)))
         res = yield from self.next_result()
-        self.stats.lap_timing.got(res)
+        self.req.stats.lap_timing.got(res)
         waited = time.perf_counter() - t
         self.policy.observe_lap(1, waited * 1e3, users=max(users, self.sharers()))
-        self.stats.plain_wait_s += waited
-        self.stats.laps += 1
-        self.stats.steps += 1
-        self.stats.plain_steps += 1
-        self.stats.plain_laps += 1
-        self.stats.accepted_hist[1] += 1
+        self.req.stats.plain_wait_s += waited
+        self.req.stats.laps += 1
+        self.req.stats.steps += 1
+        self.req.stats.plain_steps += 1
+        self.req.stats.plain_laps += 1
+        self.req.stats.accepted_hist[1] += 1
         self._commit([root])
         token = int(res.targets[0])
-        self.scores.plain(res)
+        self.req.scores.plain(res)
         if self.listeners:
             self.emit({"e": "plain", "lap": int(res.lap), "root": int(root), "token": token})
-        if tell_drafter and self.drafter is not None and not self._drafter_behind:
+        if tell_drafter and self.req.drafter is not None and not self.req.drafter_behind:
             td = time.perf_counter()
-            self.drafter.accept([token])
-            self.stats.draft_s += time.perf_counter() - td
+            self.req.drafter.accept([token])
+            self.req.stats.draft_s += time.perf_counter() - td
         return [token]
 
     # ------------------------------------------------------------------ trees
@@ -476,8 +470,8 @@ class SpecEngine:
     def log_choice(self, mode: str, **choice: int) -> None:
         """Log the policy's tree sizing whenever it changes."""
         key = (mode, tuple(sorted(choice.items())))
-        if key != self._last_choice:
-            self._last_choice = key
+        if key != self.req.last_choice:
+            self.req.last_choice = key
             log.debug("%s sizing: %s (top-1 acceptance %.2f, lap %.1f ms + %.2f ms/row, "
                      "draft %.1f ms/node)", mode,
                      ", ".join(f"{k} {v}" for k, v in choice.items()),
@@ -493,15 +487,15 @@ class SpecEngine:
         tree.add_nodes(parents.astype(np.int32), dt.tokens, dt.logprobs.astype(np.float64))
 
     def new_tree(self, root: int, sampling: SamplerSettings, budget: int) -> TreeInFlight:
-        assert self.drafter is not None
+        assert self.req.drafter is not None
         tree = core.TokenTree(root, len(self.history), self.max_seqs)
         td = time.perf_counter()
-        if self._drafter_behind:  # it reads the whole text now (see ``_generate``)
-            self.drafter.begin([*self.history, root])
-            self._drafter_behind = False
-        dt = self.drafter.propose(root, budget, self.max_depth)
+        if self.req.drafter_behind:  # it reads the whole text now (see ``_generate``)
+            self.req.drafter.begin([*self.history, root])
+            self.req.drafter_behind = False
+        dt = self.req.drafter.propose(root, budget, self.max_depth)
         spent = time.perf_counter() - td
-        self.stats.draft_s += spent
+        self.req.stats.draft_s += spent
         self.policy.cost.observe_draft(len(dt), spent * 1e3)
         self.draft_into(tree, 0, dt)
         tree.select(budget)
@@ -553,16 +547,16 @@ class SpecEngine:
         self._commit([root_token, *tokens])
         gained = [*tokens, int(decision.bonus)]
         # A flow step handed out its first ``streamed`` tokens before its decision.
-        self.scores.path(rnd, path, rnd.streamed, len(gained))
+        self.req.scores.path(rnd, path, rnd.streamed, len(gained))
         if self.listeners:
             self.emit({"e": "decide", "lap": rnd.lap, "accepted": path,
                         "bonus": int(decision.bonus)})
-        self.stats.steps += 1
-        self.stats.accepted_hist[len(gained)] += 1
+        self.req.stats.steps += 1
+        self.req.stats.accepted_hist[len(gained)] += 1
         td = time.perf_counter()
-        if self.drafter is not None:
-            self.drafter.accept(gained)
-        self.stats.draft_s += time.perf_counter() - td
+        if self.req.drafter is not None:
+            self.req.drafter.accept(gained)
+        self.req.stats.draft_s += time.perf_counter() - td
         return gained
 
     def emit(self, event: dict) -> None:

@@ -21,8 +21,8 @@ class SyncMode(Mode):
         while True:
             users = ctx.sharers()
             budget = policy.sync_budget(users)
-            ctx.stats.budget = budget
-            ctx.stats.probes = policy.probes
+            ctx.req.stats.budget = budget
+            ctx.req.stats.probes = policy.probes
             ctx.log_choice("sync", budget=budget)
             t_step = time.perf_counter()
             if budget == 0:
@@ -34,8 +34,8 @@ class SyncMode(Mode):
             rnd = ctx.new_tree(root, sampling, budget)
             ctx.send_rows(rnd, sampling, 1)
             res = yield from ctx.next_result()
-            ctx.stats.lap_timing.got(res)
-            ctx.stats.laps += 1
+            ctx.req.stats.lap_timing.got(res)
+            ctx.req.stats.laps += 1
             users = max(users, ctx.sharers())
             policy.observe_lap(rnd.sent_rows, (time.perf_counter() - rnd.t0) * 1e3, users)
             assert rnd.verifier is not None
