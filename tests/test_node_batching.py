@@ -241,7 +241,7 @@ class Loop(StageLoop):
 def test_loop_merges_and_forwards_each(windows) -> None:
     (rt0, rt1), _ = windows
     ps = prompts(5, rt0.n_vocab, seed=9)
-    def items():  # lap 3 wants no target (a prefill chunk): its rows still go through
+    def items():  # lap 3 wants no target (a prefill chunk): it runs after the decodes
         return [("batch", prefill(s + 1, p, lap=s + 1, want_last=s != 2), None)
                 for s, p in enumerate(ps)]
 
@@ -264,8 +264,8 @@ def test_loop_merges_and_forwards_each(windows) -> None:
         # Each batch's own stamps, every one with the shared compute window of its stage.
         assert [s[0] for s in r.timing] == [0, 1]
     for k in (0, 1):
-        windows_ = {tuple(r.timing[k][2:4]) for r in got.values()}
-        assert len(windows_) == 1
+        windows_ = {tuple(r.timing[k][2:4]) for lap, r in got.items() if lap != 3}
+        assert len(windows_) == 1 and tuple(got[3].timing[k][2:4]) not in windows_
 
 
 def test_loop_keeps_sequence_and_kv_order(windows) -> None:
@@ -274,11 +274,10 @@ def test_loop_keeps_sequence_and_kv_order(windows) -> None:
     p = ps[0] + ps[1]
     cut = len(ps[0])
     reset(rt0, rt1)
-    # Chunks of one prompt (seq 1) never share a decode; the next request's batch (seq 2)
-    # joins the first chunk, ahead of the second (no sequence in common). Then a KV op
-    # (forget seq 1) sits between decodes: seq 1's prompt comes again from position 0 (19
-    # rows), valid only if the op ran before it; on stage 0 the small batch of seq 3 queued
-    # after it goes first, on stage 1 (where it arrives first) the two merge.
+    # Chunks of one prompt (seq 1) never share a decode; the next request's decode (seq 2)
+    # runs before the first chunk (no sequence in common). Then a KV op (forget seq 1) sits
+    # between decodes: seq 1's prompt comes again from position 0 (19 rows), valid only if
+    # the op ran before it, and the decode of seq 3 queued after it joins it.
     forget = [KvOp(KvOpCode.RM, 1, -1, -1)]
     items = [("batch", prefill(1, p[:cut], lap=1, want_last=False), None),
              ("batch", prefill(1, p[cut:], lap=2, start=cut), None),
@@ -289,7 +288,9 @@ def test_loop_keeps_sequence_and_kv_order(windows) -> None:
     loop = Loop([rt0, rt1])
     got = loop.run(items)
     assert len(p) == 19
-    assert [(loop.hosted[k].batches, loop.hosted[k].merged) for k in (0, 1)] == [(5, 1), (5, 2)]
+    assert [(loop.hosted[k].batches, loop.hosted[k].merged) for k in (0, 1)] == [(5, 1), (5, 1)]
+    for k in (0, 1):  # seq 2's decode ran before seq 1's first chunk at both stages
+        assert got[3].timing[k][3] <= got[1].timing[k][2]
     assert got[1].targets.tolist() == []
     # Seq 1 chunked, seq 1 whole after the op, seq 2 and seq 3 the same prompt: alike.
     assert got[2].targets.tolist() == got[4].targets.tolist()
@@ -311,28 +312,29 @@ def test_loop_keeps_sequence_and_kv_order(windows) -> None:
 
 
 def test_gather_lets_other_requests_pass_a_prompts_chunks() -> None:
-    """A decode of one request joins the decode of another's first prefill chunk instead of
-    waiting behind all its chunks; what stays behind keeps its order, and nothing moves past
-    a batch of the same sequence, one whose KV ops touch it, or ops on every sequence."""
+    """Decodes of other requests run before a prefill chunk, or join its decode once it has
+    let them pass, instead of waiting behind all its chunks; a decode never takes a chunk
+    along; what stays behind keeps its order, and nothing moves past a batch of the same
+    sequence, one whose KV ops touch it, or ops on every sequence."""
     import collections
     import queue
 
-    def run(first, queued, cap=512, small_first=False):
+    def run(first, queued, cap=512, decodes_first=False):
         inbox: queue.Queue = queue.Queue()
         for it in queued:
             inbox.put(it)
         behind: collections.deque = collections.deque()
-        got = gather(inbox, first, cap, behind, small_first=small_first)
+        got = gather(inbox, first, cap, behind, decodes_first=decodes_first)
         rest = list(behind) + [inbox.get_nowait() for _ in range(inbox.qsize())]
         return [it[1].lap for it in got], [it if it is None or it[0] != "batch" else it[1].lap
                                            for it in rest]
 
-    def b(seq, lap, n=1, ops=()):
-        x = prefill(seq, list(range(3, 3 + n)), lap=lap)
+    def b(seq, lap, n=1, ops=(), want=True):
+        x = prefill(seq, list(range(3, 3 + n)), lap=lap, want_last=want)
         x.pre_ops = list(ops)
         return ("batch", x, None)
 
-    chunks = [b(1, lap, n=64) for lap in (1, 2, 3)]
+    chunks = [b(1, lap, n=64, want=False) for lap in (1, 2, 3)]
     # seq 2's decode passes chunks 2 and 3 of seq 1; seq 1's own next batch never does
     assert run(chunks[0], [*chunks[1:], b(2, 9), b(1, 10)]) == ([1, 9], [2, 3, 10])
     # a passed-over batch's ops touch seq 2: seq 2 may not move ahead of it
@@ -348,22 +350,28 @@ def test_gather_lets_other_requests_pass_a_prompts_chunks() -> None:
     assert run(chunks[0], [chunks[1], None, b(2, 9)]) == ([1], [2, None, 9])
     # the row cap: a batch too big for this decode stays behind, a smaller one still joins
     assert run(chunks[0], [b(4, 7, n=64), b(2, 9)], cap=96) == ([1, 9], [7])
-    # Small first: decodes of other sequences (at most 16 rows) run before the chunk, which
-    # goes back to the front; nothing big, nothing of its sequence, nothing past a KV item.
-    assert run(chunks[0], [*chunks[1:], b(2, 9), b(3, 8, n=16), b(1, 10), b(4, 7, n=17)],
-               small_first=True) == ([9, 8], [1, 2, 3, 10, 7])
-    assert run(chunks[0], [kv, b(2, 9)], small_first=True) == ([1], [kv, 9])
+    # Decodes first: decodes of other sequences (at most 16 rows) run before the chunk,
+    # which goes back to the front; nothing big, nothing of its sequence, nothing past a KV
+    # item, no other chunk however small.
+    assert run(chunks[0], [*chunks[1:], b(2, 9), b(3, 8, n=16), b(1, 10), b(4, 7, n=17),
+                           b(5, 11, n=2, want=False)],
+               decodes_first=True) == ([9, 8], [1, 2, 3, 10, 7, 11])
+    assert run(chunks[0], [kv, b(2, 9)], decodes_first=True) == ([1], [kv, 9])
+    # a chunk of a few rows (a prompt beside running answers) lets decodes pass too
+    assert run(b(5, 11, n=2, want=False), [b(2, 9)], decodes_first=True) == ([9], [11])
     # One batch of more than 16 rows per decode: another prompt's chunk waits (the two run
     # one after the other, pipelined across stages); small ones still join the chunk.
-    assert run(chunks[0], [b(5, 6, n=20), chunks[1]], small_first=True) == ([1], [6, 2])
+    assert run(chunks[0], [b(5, 6, n=20), chunks[1]], decodes_first=True) == ([1], [6, 2])
     assert run(chunks[0], [b(5, 6, n=20), b(2, 9)]) == ([1, 9], [6])
     assert run(b(2, 9), [b(5, 6, n=20), b(4, 7, n=17), b(3, 8)]) == ([9, 6, 8], [7])
-    assert run(b(2, 9), [b(3, 8)], small_first=True) == ([9, 8], [])  # small itself: merges
+    assert run(b(2, 9), [b(3, 8)], decodes_first=True) == ([9, 8], [])  # a decode: merges
+    # A decode takes along decodes only: a chunk's rows would delay its token.
+    assert run(b(2, 9), [b(3, 8, n=2, want=False), b(4, 7), chunks[0]]) == ([9, 7], [8, 1])
 
 
-def test_loop_decode_rides_with_anothers_prefill_chunk(windows) -> None:
-    """Stage loops: a request's batch queued behind another prompt's three chunks runs in the
-    first chunk's decode, and every result equals the one of each request alone."""
+def test_loop_decode_goes_before_anothers_prefill_chunks(windows) -> None:
+    """Stage loops: a request's decode queued behind another prompt's three chunks runs
+    before them, and every result equals the one of each request alone."""
     (rt0, rt1), _ = windows
     ps = prompts(4, rt0.n_vocab, seed=21)
     p = ps[0] + ps[1] + ps[2]
@@ -376,9 +384,8 @@ def test_loop_decode_rides_with_anothers_prefill_chunk(windows) -> None:
     loop = Loop([rt0, rt1])
     got = loop.run(items)
     for k in (0, 1):
-        assert (loop.hosted[k].batches, loop.hosted[k].merged) == (4, 1)
-        windows_ = {lap: tuple(r.timing[k][2:4]) for lap, r in got.items()}
-        assert windows_[4] == windows_[1] != windows_[2]  # decoded with the first chunk
+        assert (loop.hosted[k].batches, loop.hosted[k].merged) == (4, 0)
+        assert got[4].timing[k][3] <= got[1].timing[k][2]  # computed before the first chunk
     reset(rt0, rt1)
     alone = Loop([rt0, rt1]).run([("batch", prefill(1, p, lap=3), None)])
     reset(rt0, rt1)

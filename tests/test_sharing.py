@@ -81,41 +81,52 @@ def test_flow_drafts_less_far_ahead_while_others_decode(ring) -> None:  # noqa: 
     assert limits[-1] >= 1
 
 
-def test_prefill_chunks_shrink_while_others_decode_same_tokens(ring) -> None:  # noqa: F811
+def test_prefill_chunks_shrink_while_others_decode_same_tokens(ring, monkeypatch) -> None:  # noqa: F811
     rng = np.random.default_rng(5)
     prompt = [int(t) for t in rng.integers(3, ring.tokenizer.n_vocab, 300)]
     ref = _prompt(ring)  # any reference continuation: the drafter is right on it or not
-    sizes: dict[int, list[int]] = {}
-    ahead: dict[int, list[int]] = {1: [], 3: []}
+    sizes: dict[str, list[int]] = {}
+    ahead: dict[str, list[int]] = {}
     outs = {}
-    for k in (1, 3):
+    # (requests on the ring, this one included; others streaming answers; long from)
+    cases = {"alone": (1, 0, 512), "prompts": (3, 0, 512), "streams": (3, 2, 256),
+             "short": (3, 2, 512)}
+    for name, (k, streams, long_from) in cases.items():
+        monkeypatch.setattr(SpecEngine, "LONG_PREFILL", long_from)
         engine = SpecEngine(ring.chain, n_ctx=1024,
                             drafter=RightDrafter(prompt + ref, ring.tokenizer.n_vocab))
         engine.sharers = lambda k=k: k
+        engine.streams = lambda streams=streams: streams
         sent: list[int] = []
+        ahead[name] = []
         submit = engine.chain.submit
 
-        def spy(batch, submit=submit, sent=sent, engine=engine, owed=ahead[k]):
+        def spy(batch, submit=submit, sent=sent, engine=engine, owed=ahead[name]):
             sent.append(len(batch))
             owed.append(engine.owed)  # results still to come when it is sent
             submit(batch)
 
         engine.chain.submit = spy
         try:
-            outs[k] = {m: _decode(engine, prompt, 12, m) for m in ("none", "flow")}
+            outs[name] = {m: _decode(engine, prompt, 12, m) for m in ("none", "flow")}
         finally:
             del engine.chain.submit
         engine.reset()
-        sizes[k] = sent
-    assert outs[1] == outs[3]
-    assert outs[1]["none"] == outs[1]["flow"]
-    # 300 prompt tokens: chunks of 256 + 44 alone; of 64 (4 full, then 44) with others
-    assert sizes[1][:2] == [256, 44]
-    assert sizes[3][:5] == [64, 64, 64, 64, 44]
+        sizes[name] = sent
+    assert all(out == outs["alone"] for out in outs.values())
+    assert outs["alone"]["none"] == outs["alone"]["flow"]
+    # 300 prompt tokens: chunks of 256 + 44 alone; of 64 (4 full, then 44) beside other
+    # prompts, or beside streaming answers while the prompt is short of LONG_PREFILL;
+    # a long one beside two streaming answers, of 2 (299 + the root: 150 chunks)
+    assert sizes["alone"][:2] == [256, 44]
+    assert sizes["prompts"][:5] == sizes["short"][:5] == [64, 64, 64, 64, 44]
+    assert sizes["streams"][:150] == [2] * 150
     # Alone every chunk goes at once; beside others one per stage at most is in flight.
-    assert ahead[1][:2] == [0, 1]
+    assert ahead["alone"][:2] == [0, 1]
     n_stages = ring.chain.n_stages
-    assert max(ahead[3][:5]) == n_stages - 1 and ahead[3][:n_stages] == list(range(n_stages))
+    for name, n in (("prompts", 5), ("streams", 150)):
+        assert max(ahead[name][:n]) == n_stages - 1
+        assert ahead[name][:n_stages] == list(range(n_stages))
 
 
 def test_stream_dropped_unfinished_frees_its_slot_without_gc(tiny_target) -> None:  # noqa: F811

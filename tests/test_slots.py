@@ -432,6 +432,27 @@ def test_queue_beyond_the_slots_is_bounded(local2):
     assert [s["state"] for s in ring.slots()] == ["free", "free"]
 
 
+def test_a_request_starts_while_the_ring_computes_a_long_prompt(ring4):
+    """The loop waits for the ring's next answer and for new requests at once: a request
+    that comes while a long prompt's chunks are on the ring starts at once (a free slot is
+    there), not once the prompt's first chunk comes back."""
+    ring = ring4
+    ring.reset()
+    long_prompt = (PROMPTS[0] * 40)[:2400]  # chunks of 256, all sent at once (alone)
+    first = ring.stream(long_prompt, max_tokens=1, spec="none")
+    t = threading.Thread(target=lambda: list(first))
+    t.start()
+    deadline = time.monotonic() + 60
+    while (all(s["state"] == "free" for s in ring.slots())
+           and time.monotonic() < deadline):
+        time.sleep(0.005)  # the long prompt is on the ring
+    second = ring.generate(PROMPTS[1], max_tokens=1, spec="none")
+    t.join()
+    prefill_ms = first.result.stats.prefill_s * 1e3 if first.result else 0.0
+    assert prefill_ms > 0 and second.stats.queue_ms < 0.2 * prefill_ms, (
+        second.stats.queue_ms, prefill_ms)
+
+
 # ------------------------------------------------------------------------- a lost node
 
 

@@ -64,6 +64,7 @@ class RingLoop:
         self.active: list[Request] = []
         self._draining: list[Slot] = []
         self._closed = self._closing = False
+        self._reading = False  # waiting for the ring's next answer (``_post`` wakes it)
         self._thread = threading.Thread(target=self._run, name="edgespec-ring", daemon=True)
         self._thread.start()
 
@@ -71,11 +72,20 @@ class RingLoop:
 
     def submit(self, request: Request) -> None:
         """Run ``request`` (admitted: its ticket is in the scheduler's queue)."""
-        self._inbox.put(request)
+        self._post(request)
 
     def poke(self) -> None:
         """Look at the requests' cancel events now."""
-        self._inbox.put(None)
+        self._post(None)
+
+    def _post(self, item: Any) -> None:
+        """Hand ``item`` to the loop, waking it where it waits for the ring's next answer
+        (a lap can take seconds: a long prompt's chunk), so a request starts at once."""
+        self._inbox.put(item)
+        if self._reading:
+            wake = getattr(self.scheduler.chain, "wake", None)
+            if wake is not None:
+                wake()
 
     def exclusive(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the loop thread once no request runs (requests admitted after wait
@@ -83,7 +93,7 @@ class RingLoop:
         if threading.current_thread() is self._thread:
             return fn()
         cmd = _Command(fn)
-        self._inbox.put(cmd)
+        self._post(cmd)
         while not cmd.done.wait(1.0):
             if not self._thread.is_alive():
                 raise RingError("the ring's loop has stopped")
@@ -97,7 +107,7 @@ class RingLoop:
 
     def close(self) -> None:
         self._closing = True  # a read the close breaks is not a lost node
-        self._inbox.put(_CLOSE)
+        self._post(_CLOSE)
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=30)
 
@@ -348,15 +358,22 @@ class RingLoop:
         """Route the chain's answers to their slots: one (waiting for it) when ``block``,
         then every one already there."""
         chain = self.scheduler.chain
+        wakes = getattr(chain, "wake", None) is not None
         first = block
         while True:
             if not first and not chain.has_result():
                 return
-            first = False
+            self._reading = first  # only a first read waits
             try:
-                item: Any = chain.next_result()
+                if first and not self._inbox.empty():
+                    return  # work came meanwhile: the next round takes it
+                item: Any = chain.next_result(wakes=True) if wakes else chain.next_result()
             except Exception as e:
                 item = e
+            finally:
+                self._reading = first = False
+            if item is None:
+                return  # woken: see ``_post``
             if isinstance(item, NodeLost):
                 self._recover(item)
                 return

@@ -216,6 +216,10 @@ class Member:
         self.conn.close("head leaving")
 
 
+#: What ``RemoteChain.wake`` puts among the results.
+WOKEN = object()
+
+
 class RemoteChain:
     """The ``Chain`` over a ring of nodes (see ``edgespec.head.chain``)."""
 
@@ -287,12 +291,22 @@ class RemoteChain:
     def has_result(self) -> bool:
         return not self._results.empty()
 
-    def next_result(self, timeout: float | None = 120.0) -> Result:
+    def wake(self) -> None:
+        """Make the ``next_result(wakes=True)`` waiting now (or the next one) return None:
+        the reader has other work (the ring's loop: a new request)."""
+        self._results.put(WOKEN)
+
+    def next_result(self, timeout: float | None = 120.0, wakes: bool = False
+                    ) -> Result | None:
         while True:
             try:
                 item = self._results.get(timeout=timeout)
             except queue.Empty:
                 raise NodeLost(f"no result from the ring within {timeout} s") from None
+            if item is WOKEN:
+                if wakes:
+                    return None
+                continue
             if isinstance(item, Exception):
                 lap = getattr(item, "lap", None)
                 if lap is not None and lap in self._abandoned:

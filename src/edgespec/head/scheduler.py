@@ -78,6 +78,7 @@ class Scheduler:
             view = self._new_view(i)
             engine = make_engine(view, i)
             engine.sharers = self.busy  # trees and prefill chunks shrink as slots fill
+            engine.streams = self.streaming  # a prompt beside answers goes in small chunks
             # Lap ids of different slots never meet (the loop routes by lap, stages prune
             # by lap): each slot draws from its own part of the lap space.
             engine.use_laps(i, parallel)
@@ -181,6 +182,12 @@ class Scheduler:
         """Requests decoding on the ring now (each request's engine asks before a step)."""
         with self._cond:
             return sum(s.busy for s in self.slots)
+
+    def streaming(self) -> int:
+        """Requests past their prefill now (their answers streaming): their rows per lap
+        are what a prompt's chunks beside them may take (``SpecEngine._prefill``)."""
+        return sum(1 for s in self.slots if s.busy and s.engine.req is not None
+                   and s.engine.req.stats.tokens > 0)
 
     def view(self, slot: Slot) -> SlotChain:
         """A new view of the chain in force for ``slot`` (after a rebuild)."""

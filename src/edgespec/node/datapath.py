@@ -224,15 +224,16 @@ class StageLoop:
     def _run_hosted(self, hosted: HostedStage) -> None:
         behind: collections.deque = collections.deque()  # taken off the inbox, not run yet
         cap = int(getattr(hosted.runtime, "n_batch", 0) or MERGE_MAX_ROWS)
-        yielded: tuple | None = None  # a big batch that let small ones go first, once
+        yielded: tuple | None = None  # a prefill chunk that let decodes go first, once
         while True:
             item = behind.popleft() if behind else hosted.inbox.get()
             if item is None:
                 return
             items = [item]
             if item[0] == "batch" and (behind or not hosted.inbox.empty()):
-                # merged decodes, small batches first: design.md 5.7
-                items = gather(hosted.inbox, item, cap, behind, small_first=item is not yielded)
+                # merged decodes, decodes first: design.md 5.7
+                items = gather(hosted.inbox, item, cap, behind,
+                               decodes_first=item is not yielded)
                 yielded = item if items[0] is not item else None
             try:
                 with hosted.run_lock:

@@ -98,13 +98,19 @@ def concat_batches(batches: Sequence[Batch]) -> Batch:
 
 #: Queued items one ``gather`` looks through for batches that may join a decode.
 MERGE_LOOKAHEAD = 32
-#: A batch of at most this many rows is a decode's (a plain lap, a tree segment): it may go
-#: ahead of a bigger batch of another request (a prefill chunk) queued before it.
+#: A batch of at most this many rows is small (a plain lap, a tree segment, a prompt's chunk
+#: beside running answers); a bigger one is a prompt's chunk or a whole tree.
 SMALL_ROWS = 16
 
 
+def wants_rows(batch: Batch) -> bool:
+    """Whether a batch asks for targets (a decode: a plain lap, a tree, a prompt's last
+    chunk); one that asks for none only fills KV (a prefill chunk)."""
+    return bool(batch.want.any())
+
+
 def gather(inbox: queue.Queue, first: tuple, cap: int, behind: collections.deque,
-           small_first: bool = True) -> list[tuple]:
+           decodes_first: bool = True) -> list[tuple]:
     """The batch items to run as one decode, ``first`` (a ``("batch", batch, hidden)`` item
     just taken off ``inbox`` or ``behind``) and those waiting after it that may share its
     decode (``MergeFence``), rows within ``cap``. ``behind`` holds items taken off the inbox
@@ -112,33 +118,40 @@ def gather(inbox: queue.Queue, first: tuple, cap: int, behind: collections.deque
     ``behind`` in their order, to run next. The scan stops at KV operations, the stop signal
     None, a batch whose KV operations reach every sequence, or after MERGE_LOOKAHEAD items.
 
-    Decodes first (``small_first``): when ``first`` is bigger than SMALL_ROWS (a prefill
-    chunk) and small batches of other sequences wait after it, those run now, as one decode,
-    and ``first`` goes back to the front of ``behind``: a long prompt delays other requests'
-    tokens by a chunk per stage at most, not by all its chunks. The caller passes
-    ``small_first=False`` when ``first`` was put back so once: a chunk yields once, and
-    then runs (taking along whatever may join it)."""
-    if small_first and len(first[1]) > SMALL_ROWS:
+    Decodes first (``decodes_first``, docs/design.md 5.7): when ``first`` is a prefill chunk
+    (no row wanted) and decodes of other sequences (at most SMALL_ROWS rows each) wait after
+    it, those run now, as one decode, and ``first`` goes back to the front of ``behind``: a
+    prompt beside running answers delays each of their tokens by the chunk computing at a
+    stage at most, not by the chunks queued there. The caller passes ``decodes_first=False``
+    when ``first`` was put back so once: a chunk yields once, and then runs (taking along
+    whatever may join it), so a busy ring still fills the prompt's KV.
+
+    A decode takes along only decodes: on a CPU a row costs about the same in any batch
+    (docs/experiments.md 18), so a chunk's rows in a decode would only delay its answers."""
+    batch = first[1]
+    if decodes_first and not wants_rows(batch):
         fence = MergeFence(None)
-        if fence.skip(first[1]):
-            smalls = _scan(inbox, fence, cap, 0, behind, SMALL_ROWS)
-            if smalls:
+        if fence.skip(batch):
+            decodes = _scan(inbox, fence, cap, 0, behind, SMALL_ROWS, decodes=True)
+            if decodes:
                 behind.appendleft(first)
-                return smalls
-    if len(first[1]) >= cap:
+                return decodes
+    if len(batch) >= cap:
         return [first]
     # One batch bigger than SMALL_ROWS per decode at most: a prompt's rows are compute-bound
     # and gain nothing from sharing a decode, while two prompts decoded one after the other
     # are pipelined (the next stage starts on the first while this one computes the second).
-    return [first, *_scan(inbox, MergeFence(first[1]), cap, len(first[1]), behind, cap,
-                          big=int(len(first[1]) <= SMALL_ROWS))]
+    return [first, *_scan(inbox, MergeFence(batch), cap, len(batch), behind, cap,
+                          big=int(len(batch) <= SMALL_ROWS), decodes=wants_rows(batch))]
 
 
 def _scan(inbox: queue.Queue, fence: MergeFence, cap: int, rows: int,
-          behind: collections.deque, max_rows: int, big: int = 0) -> list[tuple]:
+          behind: collections.deque, max_rows: int, big: int = 0,
+          decodes: bool = False) -> list[tuple]:
     """Batch items (``behind`` first, then the inbox) of at most ``max_rows`` rows each that
-    pass ``fence``, within ``cap`` rows together with ``rows``, and at most ``big`` of them
-    bigger than SMALL_ROWS; the others go into ``behind``, in order (see ``gather``)."""
+    pass ``fence``, within ``cap`` rows together with ``rows``, at most ``big`` of them
+    bigger than SMALL_ROWS, and (``decodes``) only those that want rows; the others go into
+    ``behind``, in order (see ``gather``)."""
     items: list[tuple] = []
     ahead = list(behind)  # what the scan looks at: ``behind``, then the inbox
     behind.clear()
@@ -153,6 +166,7 @@ def _scan(inbox: queue.Queue, fence: MergeFence, cap: int, rows: int,
         looked += 1
         if (nxt is not None and nxt[0] == "batch" and len(nxt[1]) <= max_rows
                 and (len(nxt[1]) <= SMALL_ROWS or big > 0)
+                and (not decodes or wants_rows(nxt[1]))
                 and rows + len(nxt[1]) <= cap and fence.admit(nxt[1])):
             items.append(nxt)
             rows += len(nxt[1])

@@ -123,6 +123,9 @@ class SpecEngine:
         # Requests decoding on this ring at once, this one included (a slot pool sets it,
         # docs/design.md 5.8): the tree budget and prefill chunks are shared between them.
         self.sharers: Callable[[], int] = lambda: 1
+        # Requests past their prefill on this ring (their answers streaming; a slot pool
+        # sets it): a prompt beside them goes in chunks of as many rows (``_prefill``).
+        self.streams: Callable[[], int] = lambda: 0
 
     # ------------------------------------------------------------------ public
 
@@ -304,9 +307,14 @@ class SpecEngine:
         yield [first]
         yield from MODES[mode](self).steps(first, sampling)
 
-    #: Prefill chunk size (tokens) while other requests decode on the ring: a quarter of
-    #: the default chunk's rows to wait for, still a batch that fills the matmuls.
+    #: Prefill chunk size (tokens) while other requests' prompts fill the ring (none of
+    #: them streaming yet): two prompts' chunks pipeline across the stages, each still a
+    #: batch that fills the matmuls.
     SHARED_PREFILL_CHUNK = 64
+    #: Prompt tokens to prefill beyond which a prompt beside streaming answers goes in
+    #: chunks of their size: a shorter one holds them up once, for seconds, in efficient
+    #: chunks.
+    LONG_PREFILL = 512
 
     def _prefill(self, prompt: list[int], singles: int = 0, want_root: bool = False,
                  sampling: SamplerSettings | None = None, root_alone: bool = False,
@@ -331,10 +339,16 @@ class SpecEngine:
         todo = prompt[keep:-1]
         self.req.stats.prefill_tokens = len(todo) + 1
         n_bulk = max(0, len(todo) - max(0, singles))
-        # Other requests decoding meanwhile: smaller chunks, so a decode batch that rides
-        # along with one at a stage (docs/design.md 5.7) waits less for it.
-        shared = self.sharers() > 1
-        size = (min(self.prefill_chunk, self.SHARED_PREFILL_CHUNK) if shared
+        # A long prompt beside answers streaming (docs/design.md 5.8): chunks of as many
+        # rows as they decode per lap (one each), one per stage in flight. A stage runs
+        # their decodes before a queued chunk and a row costs about the same in any batch
+        # on a CPU, so the prompt takes about as much of each stage as they do. Otherwise
+        # beside others: chunks of SHARED_PREFILL_CHUNK, one per stage in flight,
+        # pipelined. Alone: every chunk at once.
+        streams = self.streams() if len(todo) > self.LONG_PREFILL else 0
+        shared = streams > 0 or self.sharers() > 1
+        size = (min(self.prefill_chunk, streams) if streams else
+                min(self.prefill_chunk, self.SHARED_PREFILL_CHUNK) if shared
                 else self.prefill_chunk)
         chunks = [todo[off: min(off + size, n_bulk)] for off in range(0, n_bulk, size)]
         chunks += [[t] for t in todo[n_bulk:]]
@@ -344,10 +358,6 @@ class SpecEngine:
                 chunks[-1] = [*chunks[-1], prompt[-1]]
             else:
                 chunks.append([prompt[-1]])
-        # Alone, every chunk goes at once: they stream back to back through the stages, so
-        # a long prompt is pipelined across the ring. Beside other requests, one chunk per
-        # stage at most is in flight, so a long prompt takes a share of every stage lap
-        # after lap instead of queueing all its chunks ahead of their next tokens.
         window = max(1, self.chain.n_stages) if shared else len(chunks)
         start, sent, res = keep, 0, None
         for got in range(len(chunks)):
