@@ -376,9 +376,11 @@ def _set_budget(ring: Any, budget: int | None) -> None:
 def run_ring(ring: Any, counters, prompts: list[list[int]], n_tokens: int, hop: str,
              drafter: str, modes: Sequence[str], budgets: Sequence[int | None],
              clients: Sequence[int], record, log, client_reps: int = 1,
-             long_prompt: Sequence[int] = (), long_settle_s: float = 10.0) -> None:
+             long_prompt: Sequence[int] = (), long_settle_s: float = 10.0,
+             usage=None) -> None:
     """Every prompt through every mode and budget on one ring (one drafter, one link), one
-    client at a time; then each client count above one, every mode."""
+    client at a time; then each client count above one, every mode. ``usage`` (the lab's
+    ``device_usage``) gives each several-clients run its devices' busy fractions."""
     n_nodes = len(ring.chain.members)
     spec_modes = [m for m in modes if m != "none"]
     # Warm-up: page in weights on every node, give the cost model a few laps.
@@ -422,14 +424,16 @@ def run_ring(ring: Any, counters, prompts: list[list[int]], n_tokens: int, hop: 
         plan = [SEQUENTIAL, *order] if "none" in modes else order
         for rep in range(client_reps):
             for mode in plan[rep % len(plan):] + plan[:rep % len(plan)]:
+                u0 = usage() if usage else {}
                 res = (run_sequential(ring, prompts, n_tokens, c) if mode == SEQUENTIAL
                        else run_clients(ring, prompts, n_tokens, mode, c))
+                busy = busy_fractions(u0, usage(), res["wall_s"]) if usage else {}
                 for r in res["requests"]:
                     record({"mode": mode, "drafter": "-" if mode in ("none", SEQUENTIAL)
                             else drafter,
                             "budget": "-" if mode in ("none", SEQUENTIAL) else "auto",
                             "link": hop, "clients": c, "rep": rep, "wall_s": res["wall_s"],
-                            **r, "load_avg_1m": round(os.getloadavg()[0], 2)})
+                            "device_busy": busy, **r, "load_avg_1m": round(os.getloadavg()[0], 2)})
                 toks = sum(r["n_tokens"] for r in res["requests"])
                 log(f"  {c} clients {mode:<5} rep {rep} {toks / res['wall_s']:7.2f} tok/s "
                     f"aggregate")
@@ -603,6 +607,11 @@ def aggregate(runs: list[dict[str, Any]], host: dict[str, Any]) -> list[dict[str
             row["piece_gap_ms_p95"] = round(1e3 * (_percentile(gaps, 0.95) or 0), 1)
             row["ttft_ms_median"] = round(statistics.median(r["stats"]["ttft_ms"]
                                                             for r in rs), 1)
+            # each device's busy fraction, averaged over the batches (reps) of requests
+            per_rep = {r.get("rep", 0): r["device_busy"] for r in rs if r.get("device_busy")}
+            if per_rep:
+                row["device_busy"] = {n: round(statistics.mean(b[n] for b in per_rep.values()), 3)
+                                      for n in next(iter(per_rep.values()))}
         loads = [r["load_avg_1m"] for r in rs if "load_avg_1m" in r]
         if loads:
             row["load_avg_1m_mean"] = round(statistics.mean(loads), 2)
@@ -783,8 +792,8 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = ["| link | clients | mode | drafter | budget | tok/s | ms/tok | laps/tok | tok/step "
-             "| rows/step | B/tok/hop | gap p50/p95 ms | x none | x seq | x single | load |",
-             "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| rows/step | B/tok/hop | gap p50/p95 ms | busy | x none | x seq | x single | load |",
+             "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def f(v: Any, fmt: str = "{:.2f}") -> str:
         return "-" if v is None else fmt.format(v)
@@ -794,12 +803,14 @@ def table(rows: list[dict[str, Any]]) -> str:
                   if r.get("x_none_range") else "")
         gaps = ("-" if "piece_gap_ms_p50" not in r
                 else f"{r['piece_gap_ms_p50']:.0f}/{r['piece_gap_ms_p95']:.0f}")
+        busy = ("-" if not r.get("device_busy")
+                else "/".join(f"{v:.0%}" for v in r["device_busy"].values()))
         lines.append(
             f"| {r['link']} | {r['clients']} | {r['mode']} | {r['drafter']} | {r['budget']} | "
             f"{r['tokens_per_s']:.2f} "
             f"| {f(r['ms_per_token'], '{:.1f}')} | {f(r.get('laps_per_token'))} | "
             f"{f(r.get('tokens_per_step'))} | {f(r.get('rows_per_step'), '{:.1f}')} | "
-            f"{f(r.get('bytes_per_token_per_stage_hop'), '{:,.0f}')} | {gaps} | "
+            f"{f(r.get('bytes_per_token_per_stage_hop'), '{:,.0f}')} | {gaps} | {busy} | "
             f"{f(r['x_none'])}{spread} | {f(r.get('x_seq'))} | {f(r['x_single'])} | "
             f"{f(r.get('load_avg_1m_mean'))} |")
     return "\n".join(lines)
@@ -830,7 +841,9 @@ def write_report(out: Path, prefix: str, rows: list[dict[str, Any]], ident: dict
           "prompts; several: all their tokens / the wall time from their start to the last "
           "one's end (prefill included); none-seq: the same requests one after another in "
           "mode none, and x seq the several clients' tok/s over it. gap: time between streamed pieces of a client "
-          "(accepted tokens arrive in pieces), p50/p95. "
+          "(accepted tokens arrive in pieces), p50/p95. busy (several clients, on the lab): "
+          "each device's CPU time over what its share allows in the wall time, in ring "
+          "order (100%: it computed all the time). "
           "laps/tok: ring results consumed per token (flow: one per segment). tok/step: "
           "tokens gained per verified tree (accepted + bonus). rows/step: tree rows sent per "
           "step. B/tok/hop: bytes per generated token on a stage-to-stage link (measured at "
@@ -930,8 +943,30 @@ def head_worker(cfg_path: str) -> int:
         run_ring(ring, counters, cfg["prompts"], cfg["n_tokens"], cfg["link"], cfg["drafter"],
                  cfg["modes"], [None if b == "auto" else b for b in cfg["budgets"]],
                  cfg["clients"], record, log, cfg.get("client_reps", 1),
-                 cfg.get("long_prompt", ()), cfg.get("long_settle_s", 10.0))
+                 cfg.get("long_prompt", ()), cfg.get("long_settle_s", 10.0),
+                 usage=lambda: device_usage(cfg.get("device_usage", {})))
     return 0
+
+
+def device_usage(paths: dict[str, list]) -> dict[str, tuple[float, float]]:
+    """Each device's CPU time so far (s) and its share of a core, read off its cgroup
+    (``bench.testbed.Testbed.usage_paths``)."""
+    from bench.testbed import cpu_usage_us
+
+    out = {}
+    for name, (path, share) in paths.items():
+        us = cpu_usage_us(path)
+        if us is not None and share:
+            out[name] = (us / 1e6, share)
+    return out
+
+
+def busy_fractions(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]],
+                   wall_s: float) -> dict[str, float]:
+    """Each device's CPU time between two ``device_usage`` readings over what its share
+    allows in ``wall_s``: 1.0 is a device computing all the time."""
+    return {n: round((after[n][0] - before[n][0]) / (after[n][1] * wall_s), 3)
+            for n in after if n in before and wall_s > 0}
 
 
 def single_worker(cfg_path: str) -> int:
@@ -1159,6 +1194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    "ring_path": str(Path(tmp) / "ring.json"),
                                    "ranges": ranges, "client_reps": args.client_reps,
                                    "long_prompt": long_prompt,
+                                   "device_usage": tb.usage_paths(),
                                    "long_settle_s": 2.0 if smoke else 10.0}
                             cfg_path = Path(tmp) / "head.json"
                             cfg_path.write_text(json.dumps(cfg))

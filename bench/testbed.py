@@ -34,6 +34,9 @@ sys.path.insert(0, str(REPO / "tests"))  # the lab itself (tests/lab.py, tests/n
 
 import lab as homelab  # noqa: E402
 
+#: A device's CPU time so far, read by the lab's head (``Testbed.usage_paths``).
+cpu_usage_us = homelab.cpu_usage_us
+
 EMULATOR_PORT = 7100  # the emulator's port for device i is EMULATOR_PORT + i
 
 LINKS: dict[str, LinkSpec] = {
@@ -123,6 +126,12 @@ class Testbed:
                 "device_cpu_share": self.device_share, "head_cpu_share": self.head_share,
                 "cfs_period_us": homelab.CFS_PERIOD_US,
                 "cgroups": "v2" if self.lab.device(self.names[0]).cgroup.v2 else "v1"}
+
+    def usage_paths(self) -> dict[str, list]:
+        """Each device's CPU-time file and share of a core, for ``cpu_usage_us`` in another
+        process (the lab's head)."""
+        return {n: [str(self.lab.device(n).cgroup.usage_path), self.device_share]
+                for n in self.names}
 
     def device_cpu(self) -> dict[str, dict[str, int]]:
         """Each device's (and the head's) CPU accounting: usage and throttling."""

@@ -4,10 +4,13 @@ EDGESPEC_HOME, and an `edgespec node` that finds the head over mDNS like a real 
 has a namespace of its own (and, with ``head_share``, a CPU quota too); ``plain`` names further
 namespaces on the bridge without a cgroup (a link emulator's, outside every device's share).
 
-CPU quotas use a short CFS period (``CFS_PERIOD_US``, 10 ms): a device held to 30% of a core
-then runs at that rate within every few milliseconds, as a slow device does. With a long period
-(the kernel's default 100 ms) an idle device bursts at full speed for a whole period before it
-is throttled, which flatters whatever leaves devices idle between short decodes.
+CPU quotas use a short CFS period (``CFS_PERIOD_US``, 4 ms; longer where a share's quota
+would fall under the kernel's 1 ms minimum): a device held to 30% of a core then runs at that
+rate within every few milliseconds, as a slow device does. With a longer period an idle device
+bursts at full speed for its whole quota before it is throttled, which flatters whatever leaves
+devices idle between short decodes: on the 1.5B ring (docs/experiments.md 20) one client's lap
+took 151 ms over 10 ms periods, less than its stages' own CPU time (50 ms a token) takes at
+30% of a core (167 ms), and 174 ms over 4 ms periods (52 ms of CPU: 173 ms).
 
     with HomeLab(["n1", "n2", "n3"], tmp_path) as lab:
         lab.device("n3").cap(memory_mib=330, cpu_share=0.25)
@@ -22,6 +25,7 @@ processes) is removed when it closes.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 import shutil
@@ -36,7 +40,21 @@ import netns
 
 REPO = Path(__file__).resolve().parent.parent
 PORT = 7654
-CFS_PERIOD_US = 10_000
+CFS_PERIOD_US = 4_000
+#: The kernel's smallest CFS quota.
+MIN_QUOTA_US = 1_000
+
+
+def cpu_usage_us(path: Path | str) -> int | None:
+    """CPU time spent in a cgroup so far, read off its ``Cgroup.usage_path`` (v1's
+    ``cpuacct.usage`` in ns, v2's ``cpu.stat`` line ``usage_usec``); None where unreadable."""
+    with contextlib.suppress(OSError, ValueError):
+        text = Path(path).read_text()
+        if Path(path).name == "cpu.stat":
+            m = re.search(r"^usage_usec (\d+)", text, re.M)
+            return int(m.group(1)) if m else None
+        return int(text) // 1000
+    return None
 
 
 class Cgroup:
@@ -65,6 +83,8 @@ class Cgroup:
         """Set (or, with None, lift) the memory limit and the CPU share (1.0 = one core) over
         CFS periods of ``period_us``."""
         mem = "max" if memory_mib is None else str(memory_mib << 20)
+        if cpu_share is not None:
+            period_us = max(period_us, math.ceil(MIN_QUOTA_US / cpu_share))
         quota = -1 if cpu_share is None else int(cpu_share * period_us)
         if self.v2:
             (self.dirs[0] / "memory.max").write_text(mem)
@@ -89,10 +109,17 @@ class Cgroup:
         if "throttled_time" in out:
             out["throttled_us"] = out.pop("throttled_time") // 1000
         if not self.v2:
-            acct = Path("/sys/fs/cgroup/cpuacct") / self.name / "cpuacct.usage"
-            with contextlib.suppress(OSError, ValueError):
-                out["usage_us"] = int(acct.read_text()) // 1000
+            usage = cpu_usage_us(self.usage_path)
+            if usage is not None:
+                out["usage_us"] = usage
         return out
+
+    @property
+    def usage_path(self) -> Path:
+        """The file that counts this cgroup's CPU time (``cpu_usage_us`` reads it)."""
+        if self.v2:
+            return self.dirs[0] / "cpu.stat"
+        return Path("/sys/fs/cgroup/cpuacct") / self.name / "cpuacct.usage"
 
     def wrap(self, argv: list[str]) -> list[str]:
         """``argv`` started inside this cgroup (it joins before it runs, so every byte it

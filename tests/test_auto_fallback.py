@@ -304,7 +304,7 @@ def test_a_request_on_a_full_pipeline_leaves_the_drafter_until_it_drafts(ring) -
     drafter read the whole text so far, and the answer is the one mode none gives. Alone,
     the drafter reads the prompt while the prefill lap is in flight."""
     prompt = _prompt(ring)
-    n = 24
+    n = 48  # trees come after 10 plain steps: more than CATCH_UP_ROOM tokens left then
     ref = _decode(SpecEngine(ring.chain, n_ctx=1024), prompt, n, "none")
     engine = SpecEngine(ring.chain, n_ctx=1024,
                         drafter=CountingDrafter(prompt + ref, ring.tokenizer.n_vocab))
@@ -324,3 +324,20 @@ def test_a_request_on_a_full_pipeline_leaves_the_drafter_until_it_drafts(ring) -
     engine.sharers = lambda: 1
     assert _decode(engine, prompt, n, "flow") == ref
     assert engine.drafter.begun[-1] == prompt
+    # The first of several that came at once, the others waiting for their slots: its
+    # drafter leaves the draft model to them from the start.
+    begun = len(engine.drafter.begun)
+    engine.demand = lambda: 3
+    first = iter(range(10**6))
+    engine.sharers = lambda: 1 if next(first) == 0 else 3  # its slot the only busy one yet
+    req = _generate(engine, prompt, 4, "flow")
+    assert req.tokens == ref[:4]
+    assert len(engine.drafter.begun) == begun
+    # Left behind at its start, then room on the ring, but an answer of fewer tokens than
+    # reading the whole text would pay for: plain laps to its end.
+    first = iter(range(10**6))
+    engine.sharers = lambda: 2 if next(first) == 0 else 1
+    engine.demand = lambda: 1
+    req = _generate(engine, prompt, SpecEngine.CATCH_UP_ROOM - 1, "flow")
+    assert req.tokens == ref[:SpecEngine.CATCH_UP_ROOM - 1]
+    assert len(engine.drafter.begun) == begun and req.stats.plain_steps == len(req.tokens)

@@ -142,6 +142,21 @@ def test_row_cost_curve(tiny, tmp_path) -> None:
         assert all(v >= 0 for v in c["ms"].values())
 
 
+def test_lab_ceiling(tiny, tmp_path) -> None:
+    out = last_json(bench(tiny, "lab_ceiling", "--target", tiny["target"], "--users", "2",
+                          "--out", str(tmp_path)))
+    assert json.loads((tmp_path / "lab_ceiling_users2.json").read_text()) == out
+    assert out["cgroups"] == (homelab.skip_reason() is None)  # a share where one can be made
+    assert [w["window"] for w in out["windows"]] == ["0:2", "2:4"] and out["users"] == 2
+    for w in out["windows"]:
+        for phase in ("alone", "together"):
+            assert set(w[phase]) == {"decode", "chunk"}, w
+            assert all(v["wall_ms"] > 0 and v["cpu_ms"] >= 0 for v in w[phase].values())
+        assert set(w["slowdown"]) == {"decode", "chunk"}
+    assert out["decode_ms_together_max"] == max(w["together"]["decode"]["wall_ms"]
+                                                for w in out["windows"])
+
+
 def test_structured_bench(tiny, tmp_path) -> None:
     """Tiny models: every part runs and constrained answers agree across modes (a random
     model never closes a schema in 24 tokens: validity is the real model's test below)."""

@@ -83,9 +83,14 @@ def test_lab_smoke_forms_over_mdns_on_cpu_shares(tiny_qwen2, tmp_path):  # noqa:
     summary = run_bench(["--where", "lab", "--target", str(tiny_qwen2), "--links", "wifi",
                          "--device-share", "0.5", "--head-share", "0.9"], tmp_path)
     assert summary["where"] == "lab"
-    check_rows(rows_of(tmp_path))
+    rows = rows_of(tmp_path)
+    check_rows(rows)
+    # Several clients at once: how busy each device was, read off its cgroup.
+    several = [r for r in rows if r["clients"] > 1]
+    assert several and all(set(r["device_busy"]) == {"n1", "n2"} for r in several), several
+    assert all(0 < v for r in several for v in r["device_busy"].values())
     settings = json.loads((tmp_path / "ring_bench_smoke_settings.json").read_text())
-    assert settings["where"]["devices"] == 2 and settings["where"]["cfs_period_us"] == 10_000
+    assert settings["where"]["devices"] == 2 and settings["where"]["cfs_period_us"] == 4_000
     emu = settings["emulator"]["ring/wifi/retrieval"]
     assert emu["spec"]["bandwidth_mbps"] == 50.0 and emu["cpu_s"] >= 0
     # Each device ran on its share: the kernel throttled it, or it never used a period fully.

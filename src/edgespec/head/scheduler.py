@@ -79,6 +79,7 @@ class Scheduler:
             engine = make_engine(view, i)
             engine.sharers = self.busy  # trees and prefill chunks shrink as slots fill
             engine.streams = self.streaming  # a prompt beside answers goes in small chunks
+            engine.demand = self.demand  # beside others a drafter reads when it first drafts
             # Lap ids of different slots never meet (the loop routes by lap, stages prune
             # by lap): each slot draws from its own part of the lap space.
             engine.use_laps(i, parallel)
@@ -182,6 +183,12 @@ class Scheduler:
         """Requests decoding on the ring now (each request's engine asks before a step)."""
         with self._cond:
             return sum(s.busy for s in self.slots)
+
+    def demand(self) -> int:
+        """Requests running or waiting for a slot now (those that came at once start one
+        by one, each while the others wait their turn)."""
+        with self._cond:
+            return self._serving + len(self._queue)
 
     def streaming(self) -> int:
         """Requests past their prefill now (their answers streaming): their rows per lap

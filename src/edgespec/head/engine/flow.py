@@ -44,7 +44,7 @@ class FlowMode(Mode):
         stale = ctx.stale  # lap -> results still to come from decided trees
         while True:
             users = ctx.sharers()  # requests decoding during the step, at most
-            seg = policy.flow_segment(users, ctx.chain.n_stages)
+            seg = policy.flow_segment(users, ctx.chain.n_stages) if ctx.may_draft() else 0
             ctx.req.stats.probes = policy.probes
             ctx.req.stats.segment = seg
             ctx.req.stats.budget = self.ahead_limit() if seg else 0

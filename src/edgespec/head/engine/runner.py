@@ -126,6 +126,10 @@ class SpecEngine:
         # Requests past their prefill on this ring (their answers streaming; a slot pool
         # sets it): a prompt beside them goes in chunks of as many rows (``_prefill``).
         self.streams: Callable[[], int] = lambda: 0
+        # Requests on this ring, running or waiting for a slot, this one included (a slot
+        # pool sets it): beside others, the head's one draft model (on the loop's thread) is
+        # theirs too, so this request's drafter reads the text only when it first drafts.
+        self.demand: Callable[[], int] = lambda: 1
 
     # ------------------------------------------------------------------ public
 
@@ -221,9 +225,11 @@ class SpecEngine:
         # Beside other requests the head's one draft model is theirs too, and on a full
         # pipeline this one decodes plain laps (TreePolicy.pipeline_full): its drafter reads
         # the text when it first drafts a tree (``new_tree``), not the prompt now.
-        req.drafter_behind = drafter is not None and self.sharers() > 1
+        req.drafter_behind = drafter is not None and max(self.sharers(), self.demand()) > 1
 
         def begin_drafter() -> None:
+            if drafter is not None and not req.drafter_behind and self.demand() > 1:
+                req.drafter_behind = True  # others came while its prompt was sent
             if drafter is not None and not req.drafter_behind:
                 td = time.perf_counter()
                 drafter.begin(prompt)
@@ -311,6 +317,17 @@ class SpecEngine:
     #: them streaming yet): two prompts' chunks pipeline across the stages, each still a
     #: batch that fills the matmuls.
     SHARED_PREFILL_CHUNK = 64
+    #: Tokens an answer must still want for a drafter left behind (``Request.drafter_behind``)
+    #: to read the text so far and draft: that reading holds up the head's loop, and every
+    #: request on it, for about a second for a few hundred tokens of the 0.5B draft model on
+    #: 90% of a core (docs/experiments.md 20), more than a few trees near an answer's end gain.
+    CATCH_UP_ROOM = 32
+
+    def may_draft(self) -> bool:
+        """Whether this step may draft a tree (else a plain lap): not when the drafter would
+        first have to read the text and fewer than CATCH_UP_ROOM tokens are left."""
+        return not (self.req.drafter_behind and self.req.room < self.CATCH_UP_ROOM)
+
     #: Prompt tokens to prefill beyond which a prompt beside streaming answers goes in
     #: chunks of their size: a shorter one holds them up once, for seconds, in efficient
     #: chunks.

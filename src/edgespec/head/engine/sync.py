@@ -20,7 +20,7 @@ class SyncMode(Mode):
         ctx, policy = self.ctx, self.ctx.policy
         while True:
             users = ctx.sharers()
-            budget = policy.sync_budget(users)
+            budget = policy.sync_budget(users) if ctx.may_draft() else 0
             ctx.req.stats.budget = budget
             ctx.req.stats.probes = policy.probes
             ctx.log_choice("sync", budget=budget)
