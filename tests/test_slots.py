@@ -21,6 +21,7 @@ from ring_fixtures import assert_same_greedy, assert_same_sampled
 
 from edgespec.api import Prepared, Ring
 from edgespec.errors import RingBusy
+from edgespec.head.engine.runner import SpecEngine
 from edgespec.head.slots import Demux, SlotChain
 from edgespec.params import GenerationParams
 from edgespec.seqs import slot_width
@@ -125,7 +126,6 @@ def local2(real_model_path):
 def test_parallel_one_is_todays_head_and_slots_divide_the_ring(local2):
     """parallel=1: the one engine's view passes everything through to the chain unchanged;
     parallel=4: each engine its own slot chain, a quarter of the context, 63 tree seqs."""
-    from edgespec.head.engine.runner import SpecEngine
     from edgespec.tree import core
 
     chain, tok = local2.chain, local2.tokenizer
@@ -218,12 +218,15 @@ def test_slots_drafting_with_one_shared_draft_model_equal_alone(real_model_path)
         contexts = {id(d._seqs.ctx) for d in ring._drafters}
         assert len(ring._drafters) == 2 and len(contexts) == 1
         assert {d._seqs.base for d in ring._drafters} == {0, 128}
+        # Long enough answers: a request that starts beside another leaves its drafter
+        # behind, and one left behind drafts only with CATCH_UP_ROOM tokens to go.
+        n = SpecEngine.CATCH_UP_ROOM + 12
         alone = []
         for p in PROMPTS[:2]:
             ring.reset()
-            alone.append(ring.generate(p, max_tokens=24).tokens)
+            alone.append(ring.generate(p, max_tokens=n).tokens)
         ring.reset()
-        gens = _concurrently(lambda p: ring.generate(p, max_tokens=24), PROMPTS[:2])
+        gens = _concurrently(lambda p: ring.generate(p, max_tokens=n), PROMPTS[:2])
         # Trees were drafted and accepted (where drafting pays: the draft is the target
         # itself here, as slow as it, so a prompt it guesses less well falls back to plain).
         assert max(g.stats.mean_accepted for g in gens) > 4
