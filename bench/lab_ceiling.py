@@ -80,8 +80,7 @@ def run(paths: list[Path], seconds: float, share: float | None, users: int
         ) -> dict[str, Any]:
     """Start a worker per window (each in a cgroup of ``share`` where one can be made),
     wait until all are loaded, start them at one moment; their counts."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    import lab as homelab
+    from bench.testbed import homelab  # the lab (tests/lab.py)
 
     groups, procs = [], []
     try:
@@ -154,10 +153,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench.projection import stage_shard
     from bench.ring_bench import machine_info
+    from bench.testbed import homelab  # the lab (tests/lab.py)
     from edgespec.llm.models import resolve
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    import lab as homelab
 
     target = resolve(args.target)
     windows = [tuple(int(x) for x in r.split(":")) for r in args.ranges.split(",")]

@@ -88,7 +88,7 @@ def test_lab_smoke_forms_over_mdns_on_cpu_shares(tiny_qwen2, tmp_path):  # noqa:
     # Several clients at once: how busy each device was, read off its cgroup.
     several = [r for r in rows if r["clients"] > 1]
     assert several and all(set(r["device_busy"]) == {"n1", "n2"} for r in several), several
-    assert all(0 < v for r in several for v in r["device_busy"].values())
+    assert all(v > 0 for r in several for v in r["device_busy"].values())
     settings = json.loads((tmp_path / "ring_bench_smoke_settings.json").read_text())
     assert settings["where"]["devices"] == 2 and settings["where"]["cfs_period_us"] == 4_000
     emu = settings["emulator"]["ring/wifi/retrieval"]

@@ -228,12 +228,14 @@ class SpecEngine:
         req.drafter_behind = drafter is not None and max(self.sharers(), self.demand()) > 1
 
         def begin_drafter() -> None:
-            if drafter is not None and not req.drafter_behind and self.demand() > 1:
-                req.drafter_behind = True  # others came while its prompt was sent
-            if drafter is not None and not req.drafter_behind:
-                td = time.perf_counter()
-                drafter.begin(prompt)
-                req.stats.draft_s += time.perf_counter() - td
+            if drafter is None or req.drafter_behind:
+                return
+            if self.demand() > 1:  # others came while its prompt was sent
+                req.drafter_behind = True
+                return
+            td = time.perf_counter()
+            drafter.begin(prompt)
+            req.stats.draft_s += time.perf_counter() - td
 
         failed = False
         steps = None
