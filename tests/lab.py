@@ -214,13 +214,17 @@ class Device:
         could not read its cgroup's limit as a container's process can)."""
         return enter(self.host, self.cgroup, argv)
 
-    def start_node(self, key_file: Path, workdir: Path, timeout: float = 60) -> None:
+    def start_node(self, key_file: Path, workdir: Path, timeout: float = 60,
+                   prefix: tuple[str, ...] = (), extra: tuple[str, ...] = ()) -> None:
+        """Start (or restart) this device's node and wait until it advertises; ``prefix``
+        runs before it (e.g. ``unshare`` for a mount namespace of its own), ``extra`` are
+        more of its options."""
         out, err = workdir / f"{self.name}.out", workdir / f"{self.name}.err"
         self.logs = (out, err)
         # The logs are appended to: a restarted node is up once it says so after this point.
         seen = err.stat().st_size if err.exists() else 0
-        argv = [*edgespec(), "node", "--key-file", str(key_file), "--name", self.name,
-                "--bind", "0.0.0.0", "--port", str(PORT), "--threads", "1"]
+        argv = [*prefix, *edgespec(), "node", "--key-file", str(key_file), "--name", self.name,
+                "--bind", "0.0.0.0", "--port", str(PORT), "--threads", "1", *extra]
         with open(out, "a") as fo, open(err, "a") as fe:
             self.node = subprocess.Popen(self.enter(argv), env=env_for(self.home), cwd=REPO,
                                          stdout=fo, stderr=fe, text=True)

@@ -47,5 +47,15 @@ class StageFailure(RingError):
         self.lap = lap
 
 
+class NodeUnfit(RingError):
+    """A node that answers could not take its windows (its disk full while shards arrived,
+    its memory short when loading); ``address`` is the node's, so a ring re-formed after a
+    loss can leave it out."""
+
+    def __init__(self, message: str, address: tuple[str, int]) -> None:
+        super().__init__(message)
+        self.address = address
+
+
 class RingBusy(RingError):
     """A node of the ring is held by another head."""

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from edgespec.batch import Batch
-from edgespec.errors import NodeLost, RingBusy, RingError
+from edgespec.errors import NodeLost, NodeUnfit, RingBusy, RingError
 from edgespec.head.memory import model_memory
 from edgespec.head.planner import NodeProfile, Plan, PlanError, fit_plan, ring_order
 from edgespec.head.remote import (
@@ -136,10 +136,16 @@ def form_ring(addresses: Sequence[Address], model: str | os.PathLike[str], key: 
             load = {"model_path": "" if send_shards else str(model_path), "fingerprint": fp,
                     "windows": wins, "n_ctx": n_ctx, "n_seq_max": n_seq_max,
                     "encoding": encoding, **hold}
-            if m.ask("load", timeout=LOAD_TIMEOUT_S, **load).need_shards:
-                log_fn(f"{m.name} lacks the model file: sending its windows")
-                load["shard_paths"] = _send_windows(m, model_path, fp, wins)
-                m.request("load", timeout=LOAD_TIMEOUT_S, **load)
+            try:
+                if m.ask("load", timeout=LOAD_TIMEOUT_S, **load).need_shards:
+                    log_fn(f"{m.name} lacks the model file: sending its windows")
+                    load["shard_paths"] = _send_windows(m, model_path, fp, wins)
+                    m.request("load", timeout=LOAD_TIMEOUT_S, **load)
+            except (RingBusy, NodeLost):
+                raise
+            except RingError as e:
+                raise NodeUnfit(f"{m.name} ({m.address[0]}:{m.address[1]}) could not take "
+                                f"its windows: {e}", tuple(m.address)) from e
         log_fn("linking the stages...")
         link_stages(members, plan.windows, proxy, hold)
         chain = RemoteChain(members, plan, info.n_vocab, encoding, n_seq_max=n_seq_max)
@@ -254,14 +260,25 @@ def reform_ring(addresses: Sequence[Address], model: str | os.PathLike[str], key
 
     Windows are re-planned over them (memory permitting; otherwise the planner's error says
     how many layers do not fit) and loaded afresh.
+    A node that answers but cannot take its windows (``NodeUnfit``: its disk full, its
+    memory short) is left out and the ring re-planned over the rest, so one such node does
+    not keep the ring down; it comes back at a later rebalance.
     """
     alive = alive_nodes(addresses, key)
     if not alive:
         raise NodeLost("no node of the ring is reachable any more")
-    log.warning("forming the ring over %d reachable node(s): %s", len(alive),
-                ", ".join(f"{h}:{p}" for h, p in alive))
     form_kwargs.pop("ranges", None)
-    return form_ring(alive, model, key, **form_kwargs)
+    while True:
+        log.warning("forming the ring over %d reachable node(s): %s", len(alive),
+                    ", ".join(f"{h}:{p}" for h, p in alive))
+        try:
+            return form_ring(alive, model, key, **form_kwargs)
+        except NodeUnfit as e:
+            rest = [a for a in alive if tuple(a) != tuple(e.address)]
+            if not rest or len(rest) == len(alive):
+                raise
+            log.warning("%s; forming the ring without it", e)
+            alive = rest
 
 
 def health_lap(chain: RemoteChain) -> float:

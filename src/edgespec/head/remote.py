@@ -123,6 +123,7 @@ class Member:
     alive: bool = True
     last_rtt_ms: float = 0.0
     taken_over: str | None = None  # the node's word when another head took it on purpose
+    lost: Exception | None = None  # why the connection ended, once it has
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self._read, name=f"edgespec-head-{self.name}",
@@ -134,13 +135,16 @@ class Member:
             try:
                 msg = self.conn.recv()
             except Exception as e:  # connection lost: every waiter learns it
-                self.alive = False
                 log.debug("head: connection to %s ended: %s", self.name, e)
                 err = (TakenOver(self.taken_over) if self.taken_over is not None else
                        NodeLost(f"lost node {self.name} ({self.address[0]}:"
                                 f"{self.address[1]}): its connection closed"))
                 self.results.put(err)
+                # Under the lock a request registering now either is told here or sees
+                # ``alive`` false (``_call``): none waits out its deadline for a dead node.
                 with self.lock:
+                    self.alive = False
+                    self.lost = err
                     for q in self.replies.values():
                         q.put(err)
                 return
@@ -189,6 +193,8 @@ class Member:
         msg.request_id = self.conn.next_request_id()
         q: queue.Queue = queue.Queue()
         with self.lock:
+            if not self.alive and self.lost is not None:
+                raise self.lost
             self.replies[msg.request_id] = q
         try:
             t = time.perf_counter()

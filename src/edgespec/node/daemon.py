@@ -123,12 +123,13 @@ class Node(StageLoop):
             pass
 
     def close(self) -> None:
+        # Connections first: a head finds the node gone, not its stages unloaded.
         self._stop.set()
-        self._unload()
         self.server.close()
         for c in list(self._out_conns.values()):
             c.close("node shutting down")
         self._out_conns.clear()
+        self._unload()
 
     def __enter__(self) -> Node:
         return self.start()
@@ -427,11 +428,9 @@ def run_node_command(args: argparse.Namespace) -> int:
     node = Node(key, name=args.name, host=args.bind, port=args.port, cache_dir=args.cache,
                 n_gpu_layers=args.n_gpu_layers, n_threads=args.threads)
     node.start()
-    stop = threading.Event()
 
     def on_signal(signum: int, _frame: Any) -> None:
         log.info("signal %d: shutting down", signum)
-        stop.set()
         node._stop.set()
 
     signal.signal(signal.SIGINT, on_signal)
@@ -445,6 +444,6 @@ def run_node_command(args: argparse.Namespace) -> int:
                                       cache_dirs=[node.cache_dir])
             stack.enter_context(advertise(info, addresses=advertised_addresses(host)))
         node.wait()
-    node.close()
+        node.close()  # before the slow mDNS goodbye: no head may connect to it meanwhile
     print(f"edgespec node {node.name} stopped", flush=True)
     return 0

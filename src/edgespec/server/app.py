@@ -98,6 +98,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from edgespec import errors
 from edgespec.api import Ring
 from edgespec.server.access import LOGIN_SCRIPT_HASH, _KeyCheck
 from edgespec.server.anthropic import AnthropicDoor
@@ -299,7 +300,12 @@ def create_app(ring: Ring, model_name: str, max_queue: int = 16,
         Requests in flight finish first; new ones wait until the new ring is up
         (`edgespec ring rebalance` goes through here while this server holds the ring)."""
         body = parse_rebalance(await request.body())
-        await asyncio.to_thread(ring.rebalance, nodes=body.nodes, profile=body.profile)
+        try:
+            await asyncio.to_thread(ring.rebalance, nodes=body.nodes, profile=body.profile)
+        except errors.RingError as e:  # the nodes' doing, not a bug here: no traceback
+            log.warning("rebalance failed: %s", e)
+            raise _BadRequest(f"the rebalance failed: {e}", code="rebalance_failed",
+                              status=503, kind="ring_unavailable") from None
         monitor.replanned()
         live.invalidate()
         return await asyncio.to_thread(_ring_json)
