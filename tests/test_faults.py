@@ -140,3 +140,38 @@ def test_a_node_whose_disk_fills_with_shards_is_left_out(tiny, key_file, three, 
         finally:
             proc.kill()
             proc.wait(10)
+
+
+def test_a_dropped_last_window_frees_its_samplers_at_once():
+    """A last window's samplers (and the grammar matchers they keep, which hold llguidance's
+    view of the vocabulary) go with its worker, with no cycle left for a collection that a
+    quiet node may not run: reloads under grammar traffic would otherwise pile them up."""
+    import gc
+    import types
+    import weakref
+
+    from edgespec.node.info import release_free_heap
+    from edgespec.node.worker import StageWorker
+
+    gc.disable()
+    try:
+        worker = StageWorker([types.SimpleNamespace(model=None)], is_last=True)
+        samplers = weakref.ref(worker.samplers)
+        del worker
+        assert samplers() is None
+    finally:
+        gc.enable()
+
+    class Cycle:
+        pass
+
+    a, b = Cycle(), Cycle()
+    a.other, b.other = b, a
+    gone = weakref.ref(a)
+    gc.disable()
+    try:
+        del a, b
+        release_free_heap()  # what a node runs after unloading its windows
+        assert gone() is None
+    finally:
+        gc.enable()

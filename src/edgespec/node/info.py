@@ -54,9 +54,14 @@ def release_free_heap() -> None:
     """Give the C heap's free pages back to the system (glibc's ``malloc_trim``; elsewhere
     nothing). Closing a llama.cpp window frees its buffers, but glibc keeps freed heap memory
     resident for reuse (after a profile, some 20 MiB on the 0.5B), and what stays resident is
-    what this node's memory cgroup charges and ``free_ram_bytes`` reports as used."""
+    what this node's memory cgroup charges and ``free_ram_bytes`` reports as used. Python's
+    cycles go first: what a closed window left in one (a sampler's grammar matchers, which
+    hold llguidance's view of the vocabulary, some 20 MiB) would otherwise wait for a
+    collection that a quiet node may not run for a long time."""
     import ctypes
+    import gc
 
+    gc.collect()
     try:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -41,14 +42,10 @@ class StageWorker:
         self._lock = threading.Lock()  # prune() comes from another thread on a node
         self.stamp_windows = False  # LocalChain: stamp every window (edgespec.laps)
         # The requests' samplers (grammars compile against the last window's vocabulary).
-        self.samplers = SamplerStates(self._tokenizer) if is_last else None
-
-    def _tokenizer(self):
-        from edgespec.grammar import vocab_tokenizer
-
-        if not self.runtimes:
-            raise ValueError("no window to read a vocabulary from")
-        return vocab_tokenizer(self.runtimes[-1].model)
+        # The vocabulary comes from the window, not through this worker: no cycle keeps the
+        # samplers (and their matchers) alive after the worker is dropped.
+        self.samplers = (SamplerStates(_vocabulary_of(self.runtimes[-1]) if self.runtimes
+                                       else None) if is_last else None)
 
     def draw(self, batch: Batch, logits: np.ndarray) -> tuple[np.ndarray, TargetScores | None]:
         """The targets of a batch's wanted rows (``logits``, one row each), drawn by the
@@ -238,3 +235,14 @@ def apply_kv_ops(rt, ops: Sequence[KvOp]) -> None:
             rt.kv_seq_restore(op.seq)
         else:
             raise ValueError(f"unsupported KV operation {code.name}")
+
+
+def _vocabulary_of(runtime: Any) -> Callable[[], Any]:
+    """llguidance's view of ``runtime``'s vocabulary, made on first use (``SamplerStates``)."""
+
+    def tokenizer() -> Any:
+        from edgespec.grammar import vocab_tokenizer
+
+        return vocab_tokenizer(runtime.model)
+
+    return tokenizer
