@@ -96,7 +96,7 @@ class Soak:
         self.samples: dict[str, list] = {}  # process label -> [[t, sample], ...]
         self.settled: list[list] = []  # [t, {label: sample}] while whole, between faults
         self.procs: dict[str, int] = {}  # process label -> pid, for those alive now
-        self.heads: list[dict[str, float]] = []  # each serve's [started, ready]
+        self.heads: list[dict[str, float]] = []  # each serve's {started, ready}
         self.serve: subprocess.Popen | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -160,12 +160,7 @@ class Soak:
 
     def stop_serve(self) -> None:
         assert self.serve is not None
-        self.serve.send_signal(signal.SIGTERM)
-        try:
-            self.serve.wait(60)
-        except subprocess.TimeoutExpired:
-            self.serve.kill()
-            self.serve.wait(10)
+        homelab.stop_process(self.serve, timeout=60)
 
     def stages(self) -> int | None:
         text = self.lan_get("/metrics")
@@ -260,14 +255,19 @@ class Soak:
             d.stop_node()
             self.start_node(name)
             return {"end": time.time(), "skipped": str(e)[-400:]}
-        res = self.edgespec("ring", "rebalance", "--no-profile", "--key-file",
-                            str(self.key_file), timeout=300, check=False)
+        res = self.rebalance()
         out = {"end": None, "rebalance_rc": res.returncode,
                "rebalance_said": (res.stderr.strip().splitlines() or [""])[-1][:400]}
         d.stop_node()
         self.start_node(name)
         out["end"] = time.time()
         return out
+
+    def rebalance(self) -> subprocess.CompletedProcess[str]:
+        """``edgespec ring rebalance`` as the user runs it (it goes through the server),
+        with the even split every plan of the soak uses."""
+        return self.edgespec("ring", "rebalance", "--no-profile", "--key-file",
+                             str(self.key_file), timeout=300, check=False)
 
     def restore(self) -> None:
         """Bring every device back into the ring (a rebalance through the server) where the
@@ -276,8 +276,7 @@ class Soak:
         n = self.stages()
         if n == 3:
             return
-        res = self.edgespec("ring", "rebalance", "--no-profile", "--key-file",
-                            str(self.key_file), timeout=300, check=False)
+        res = self.rebalance()
         self.restores.append({"t": t0, "stages_before": n, "rc": res.returncode,
                               "s": round(time.time() - t0, 2), "stages_after": self.stages(),
                               "said": (res.stderr.strip().splitlines() or [""])[-1][:400]})

@@ -202,5 +202,5 @@ def judge(records: list[dict], faults: list[dict], samples: dict[str, list],
     }
     return {"requests": {k: dict(v) for k, v in sorted(by_kind.items())},
             "probes": {"n": len(probes), "answered": sum(p["status"] == 200 for p in probes)},
-            "faults": [{k: v for k, v in f.items()} for f in faults],
+            "faults": [dict(f) for f in faults],
             "errors": errors, "checks": checks, "warmup_s": warmup_s}

@@ -174,6 +174,18 @@ def skip_reason() -> str | None:
     return None
 
 
+def stop_process(p: subprocess.Popen, timeout: float = 30) -> int | None:
+    """SIGTERM ``p`` and wait ``timeout`` s for it, then SIGKILL; its exit status."""
+    if p.poll() is None:
+        p.terminate()
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)
+    return p.returncode
+
+
 def edgespec() -> list[str]:
     exe = Path(sys.executable).with_name("edgespec")
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "edgespec"]
@@ -238,13 +250,8 @@ class Device:
             time.sleep(0.2)
 
     def stop_node(self) -> None:
-        if self.node is not None and self.node.poll() is None:
-            self.node.terminate()
-            try:
-                self.node.wait(30)
-            except subprocess.TimeoutExpired:
-                self.node.kill()
-                self.node.wait(10)
+        if self.node is not None:
+            stop_process(self.node)
 
 
 class HomeLab:

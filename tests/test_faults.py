@@ -23,9 +23,10 @@ import time
 import pytest
 from ring_fixtures import unsplit_greedy
 from test_lifecycle import (  # noqa: F401
-    _cli,
     _env,
     _free_port,
+    _greedy,
+    _head_home,
     key_file,
     prompt,
     three,
@@ -44,30 +45,15 @@ def reference(tiny, prompt) -> list[int]:
     return unsplit_greedy(tiny, prompt, N)
 
 
-def _ring(tiny, key_file, three, tmp_path, monkeypatch) -> None:
-    home = tmp_path / "head"
-    home.mkdir()
-    spec = ",".join(f"{h}:{p}" for h, p in (n.address for n in three))
-    res = _cli(["ring", "up", "--model", str(tiny), "--nodes", spec, "--key-file",
-                str(key_file), "--ctx", "256", "--no-profile"], home)
-    assert res.returncode == 0, res.stdout + res.stderr
-    monkeypatch.setenv("EDGESPEC_HOME", str(home))
-
-
-def _greedy(ring: Ring, prompt: list[int]) -> list[int]:
-    ring.reset()
-    return ring.generate(prompt, max_tokens=N, spec="none").tokens
-
-
 def test_a_node_stopped_mid_answer_is_recovered_from(tiny, key_file, three, prompt, reference,
                                                      tmp_path, monkeypatch):
-    _ring(tiny, key_file, three, tmp_path, monkeypatch)
+    _head_home(tiny, key_file, three, tmp_path, monkeypatch)
     with Ring.attach(key=str(key_file), spec="none") as ring:
-        assert _greedy(ring, prompt) == reference
+        assert _greedy(ring, prompt, N) == reference
         for round_ in range(3):  # stop a node at a few points of an answer
             victim = three[1] if round_ % 2 == 0 else three[2]
             got: list = []
-            t = threading.Thread(target=lambda got=got: got.append(_greedy(ring, prompt)))
+            t = threading.Thread(target=lambda got=got: got.append(_greedy(ring, prompt, N)))
             t.start()
             time.sleep(0.05 * round_)
             victim.proc.send_signal(signal.SIGTERM)
@@ -82,7 +68,7 @@ def test_a_node_stopped_mid_answer_is_recovered_from(tiny, key_file, three, prom
 
 def test_a_request_to_a_closed_connection_fails_at_once(tiny, key_file, three, tmp_path,
                                                         monkeypatch):
-    _ring(tiny, key_file, three, tmp_path, monkeypatch)
+    _head_home(tiny, key_file, three, tmp_path, monkeypatch)
     with Ring.attach(key=str(key_file), spec="none") as ring:
         member = ring.chain.members[1]
         three[1].proc.kill()
@@ -108,9 +94,9 @@ def _can_mount() -> bool:
                     "mount in a mount namespace of its own")
 def test_a_node_whose_disk_fills_with_shards_is_left_out(tiny, key_file, three, prompt,
                                                          reference, tmp_path, monkeypatch):
-    _ring(tiny, key_file, three, tmp_path, monkeypatch)
+    _head_home(tiny, key_file, three, tmp_path, monkeypatch)
     with Ring.attach(key=str(key_file), spec="none") as ring:
-        assert _greedy(ring, prompt) == reference
+        assert _greedy(ring, prompt, N) == reference
         victim = three[2]
         port = victim.address[1]
         victim.proc.kill()
@@ -134,7 +120,7 @@ def test_a_node_whose_disk_fills_with_shards_is_left_out(tiny, key_file, three, 
             while "edgespec node s2 (" not in out.read_text():
                 assert proc.poll() is None and time.monotonic() < deadline, err.read_text()
                 time.sleep(0.1)
-            assert _greedy(ring, prompt) == reference
+            assert _greedy(ring, prompt, N) == reference
             assert ring.chain.n_stages == 2
             assert "No space left on device" in err.read_text()
         finally:

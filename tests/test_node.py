@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from lab import stop_process
 from ring_fixtures import unsplit_greedy
 from tinygguf import make_tiny_gguf
 
@@ -92,14 +92,7 @@ class NodeProc:
         return self.err.read_text()
 
     def stop(self) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        return self.proc.returncode
+        return stop_process(self.proc)
 
 
 # ----------------------------------------------------------------------------- fixtures

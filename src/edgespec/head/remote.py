@@ -193,7 +193,7 @@ class Member:
         msg.request_id = self.conn.next_request_id()
         q: queue.Queue = queue.Queue()
         with self.lock:
-            if not self.alive and self.lost is not None:
+            if self.lost is not None:
                 raise self.lost
             self.replies[msg.request_id] = q
         try:
