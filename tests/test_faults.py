@@ -6,7 +6,9 @@ processes and a tiny float32 model (greedy output equals the unsplit model's exa
   before it unloads its stages, so no stage answers "not hosted" under a live link);
 - a request to a node whose connection already ended fails at once, not at its deadline;
 - a node that answers but whose disk fills while its shards arrive is left out of the ring
-  the head re-forms, which serves on over the others.
+  the head re-forms, which serves on over the others;
+- a node re-planned while the node after it stopped reading (its link down) loads the new
+  plan at once, though a stage of it was blocked sending to that node.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 from ring_fixtures import unsplit_greedy
 from test_lifecycle import (  # noqa: F401
@@ -32,10 +35,16 @@ from test_lifecycle import (  # noqa: F401
     three,
     tiny,
 )
-from test_node import REPO, NodeProc
+from test_node import REPO, NodeProc, _batch
 
 from edgespec.api import Ring
 from edgespec.errors import NodeLost
+from edgespec.llm.gguf_read import fingerprint
+from edgespec.tree.kvop import KvOp
+from edgespec.wire import FieldTag, Kind, Message, auth, control_message
+from edgespec.wire.frames import batch_message
+from edgespec.wire.server import FrameServer
+from edgespec.wire.transport import connect
 
 N = 48
 
@@ -79,6 +88,40 @@ def test_a_request_to_a_closed_connection_fails_at_once(tiny, key_file, three, t
         with pytest.raises(NodeLost, match="connection closed"):
             member.request("ping", timeout=300)
         assert time.monotonic() - t0 < 60
+
+
+def test_a_reload_does_not_wait_for_a_next_node_that_stopped_reading(tiny, key_file, tmp_path):
+    """The link down that makes the head re-plan also stops the node after this one reading:
+    this node's stage, blocked sending to it, must not hold the new plan's load until the
+    link comes back (the node drops the old plan's links first, which fails that send)."""
+    node = NodeProc("s0", key_file, tmp_path)
+    key = auth.load_key(key_file)
+    stalled = threading.Event()
+    load = {"model_path": str(tiny), "fingerprint": fingerprint(tiny),
+            "windows": [[0, 0, 3, False]], "n_ctx": 256, "n_seq_max": 4}
+    rows = 200
+    try:
+        with FrameServer(key, node_id="stalled-next") as nxt, \
+                connect(*node.address, key, node_id="head") as head:
+            nxt.register(Kind.HIDDEN, lambda conn, frame: stalled.wait(120) and None)
+            head.request(control_message("load", **load), timeout=60)
+            host, port = nxt.address
+            head.request(control_message("connect", links={
+                "0": {"host": host, "port": port, "stage": 1}}), timeout=30)
+            clear = Message(Kind.KV_OPS, {FieldTag.KV_OPS: KvOp.clear(), FieldTag.META: {"stage": 0}})
+            for lap in range(1, 400):  # 20 MB of hidden states for a link nobody reads
+                head.send(batch_message(_batch(np.arange(rows) % 200 + 3, np.arange(rows),
+                                               [[0]] * rows, lap=lap), stage=0))
+                head.send(clear)
+            time.sleep(2)
+            t0 = time.monotonic()
+            head.request(control_message("load", **load), timeout=120)
+            took = time.monotonic() - t0
+            stalled.set()
+        assert took < 10, f"the load waited {took:.1f} s for the old plan's stage"
+    finally:
+        stalled.set()
+        assert node.stop() == 0, node.log()
 
 
 def _can_mount() -> bool:

@@ -232,7 +232,7 @@ class Loop(StageLoop):
         for item in items:
             self.hosted[0].post(item)
         for k in sorted(self.hosted):
-            self.hosted[k].post(None)
+            self.hosted[k].inbox.put(None)  # ends the loop after the items
             self._run_hosted(self.hosted[k])
             assert self.hosted[k].pending == 0
         return self.head.results()

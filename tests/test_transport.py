@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import queue
 import socket
+import threading
 import time
 
 import numpy as np
@@ -212,3 +213,41 @@ def test_garbage_and_silent_peers_do_not_block_the_server(server: FrameServer) -
     silent.close()
     garbage.close()
     c.close()
+
+
+def test_close_wakes_a_send_blocked_on_a_peer_that_stopped_reading() -> None:
+    """A peer that stops reading (its link down, its process stopped) fills the socket
+    buffers, and a send to it blocks. Closing the connection from another thread (a node
+    dropping its links to re-plan) fails that send at once instead of waiting for the peer."""
+    stalled = threading.Event()
+    with FrameServer(KEY, node_id="srv") as srv:
+        srv.register(Kind.TOKENS, lambda conn, frame: stalled.wait(60) and None)  # stops reading
+        c = connect(*srv.address, KEY, node_id="cli")
+        c.send(tokens_message([5], [0], seq_matrix([[0]])))
+        sent: list[int] = []
+        failed: list[Exception] = []
+
+        def flood() -> None:
+            try:
+                for _ in range(256):  # 256 MiB: far beyond any socket buffer
+                    c.send_payload(Kind.HIDDEN, bytes(1 << 20))
+                    sent.append(1)
+            except TransportError as e:
+                failed.append(e)
+
+        sender = threading.Thread(target=flood, daemon=True)
+        sender.start()
+        before = -1
+        while len(sent) != before:  # until a second passes with no send finished
+            before = len(sent)
+            time.sleep(1.0)
+        assert sender.is_alive() and len(sent) < 256
+        t0 = time.monotonic()
+        closer = threading.Thread(target=c.close, args=("re-linking",), daemon=True)
+        closer.start()
+        closer.join(10)
+        sender.join(10)
+        stalled.set()
+        assert not closer.is_alive() and not sender.is_alive()
+        assert time.monotonic() - t0 < 5
+        assert failed and "failed" in str(failed[0])

@@ -39,14 +39,7 @@ from edgespec.node import offload
 from edgespec.node.datapath import HostedStage, StageLoop
 from edgespec.node.info import release_free_heap, rss_bytes
 from edgespec.tree.kvop import KvOp
-from edgespec.wire import (
-    PROTOCOL_VERSION,
-    FieldTag,
-    Kind,
-    Message,
-    error_message,
-    transfer,
-)
+from edgespec.wire import PROTOCOL_VERSION, FieldTag, Kind, Message, error_message, transfer
 from edgespec.wire import control as ctl
 from edgespec.wire.server import FrameServer
 from edgespec.wire.transport import Connection, Frame
@@ -353,10 +346,16 @@ class Node(StageLoop):
     }
 
     def _unload(self) -> None:
+        # The links to next nodes go first: they belong to the plan being dropped (linking
+        # dials afresh), and a stage blocked sending to a node that stopped reading (its link
+        # down, the reason for this re-plan) must fail now, not when that node comes back.
         with self._lock:
             held, self.hosted = list(self.hosted.values()), {}
+            links, self._out_conns = list(self._out_conns.values()), {}
+        for conn in links:
+            conn.close()
         for hosted in held:
-            hosted.post(None)
+            hosted.stop()
             if hosted.thread is not None:
                 hosted.thread.join(30)
             with contextlib.suppress(Exception):

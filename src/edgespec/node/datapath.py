@@ -6,11 +6,10 @@ the result to the next link (in-process, or over TCP to the next node) or to the
 Frames of the data path (all over authenticated connections, ``edgespec.wire.transport``):
 
 - TOKENS / HIDDEN: a batch for one of this node's stages (``META.stage``). It joins that
-  stage's queue; the stage's worker thread applies the batch's KV operations, drops rows of
-  pruned tree nodes, runs the window, and sends the hidden states to the next stage (directly,
-  node to node, not through the head) or, on the last stage, the target tokens to the head.
-  Batches of other sequences already waiting behind it join its decode (one llama.cpp
-  batch, docs/design.md 5.7) and go on separately.
+  stage's queue; the stage's thread applies its KV operations, drops rows of pruned tree
+  nodes, runs the window, and sends the hidden states to the next stage (node to node) or,
+  on the last stage, the target tokens to the head. Batches of other sequences waiting behind
+  it join its decode (one llama.cpp batch, docs/design.md 5.7) and go on separately.
 - KV_OPS: KV operations ordered with the batches (they travel the ring like a batch); its
   ``META.release`` names requests that ended, whose samplers the last stage frees.
 - PRUNE: tree nodes rejected by the head's verifier. Applied at once, so rows of those nodes
@@ -18,12 +17,11 @@ Frames of the data path (all over authenticated connections, ``edgespec.wire.tra
 
 A failure inside a stage is reported to the head as an ERROR frame; the node keeps serving.
 A link to the next node that breaks is dropped (reported to the head as ``next_lost``, which it
-treats as a lost node) and dialled afresh whenever the ring is linked again.
-
-Apart from the control plane in ``daemon.py`` so each stays readable; ``Node`` inherits
+treats as a lost node) and dialled afresh whenever the ring is linked again; a new plan's load
+drops every link first. Apart from the control plane in ``daemon.py``; ``Node`` inherits
 ``StageLoop`` and supplies the state it reads (``hosted``, ``server``, ``name``, ``_lock``,
-``_out_conns``, ``_stop``, ``key``, ``node_id``). Linking the hosted stages to their successors (the
-``connect`` op, ``_op_connect``) is here too, beside the links it makes. Log lines keep the node's logger, ``edgespec.node``.
+``_out_conns``, ``_stop``, ``key``, ``node_id``). Linking (``_op_connect``) is here, beside the
+links it makes. Log lines keep the node's logger, ``edgespec.node``.
 """
 
 from __future__ import annotations
@@ -80,21 +78,26 @@ class HostedStage:
     busy_s: float = 0.0
     batches: int = 0
     merged: int = 0  # decodes that took more than one batch (edgespec.node.merge)
-    # Items posted and not yet finished (queued or running), and the lock whoever runs an
-    # item holds: the stage's thread, or the reading thread for a batch it runs in place.
-    pending: int = 0
+    pending: int = 0  # items posted, not finished; run_lock: held by whoever runs one
     count_lock: threading.Lock = field(default_factory=threading.Lock)
     run_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         self.worker = StageWorker([self.runtime], is_last=self.is_last)
 
-    def post(self, item: tuple | None) -> None:
-        """Queue work (a batch, KV operations) for the stage's thread; None stops it."""
-        if item is not None:
-            with self.count_lock:
-                self.pending += 1
+    def post(self, item: tuple) -> None:
+        """Queue work (a batch, KV operations) for the stage's thread."""
+        with self.count_lock:
+            self.pending += 1
         self.inbox.put(item)
+
+    def stop(self) -> None:
+        """End the stage's thread after the item it runs; what is queued is dropped (the
+        stage is unloaded: the plan it was for is over)."""
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self.inbox.get_nowait()
+        self.inbox.put(None)
 
     def claim_idle(self) -> bool:
         """True if nothing is queued or running: the caller then runs its item itself, in
@@ -396,9 +399,7 @@ class StageLoop:
     def _drop_link(self, conn: Connection) -> None:
         """Forget a broken link to a next node; the next ``connect`` dials it afresh."""
         with self._lock:
-            for addr, c in list(self._out_conns.items()):
-                if c is conn:
-                    del self._out_conns[addr]
+            self._out_conns = {a: c for a, c in self._out_conns.items() if c is not conn}
             for hosted in self.hosted.values():
                 if hosted.next_conn is conn:
                     hosted.next_conn = None

@@ -64,6 +64,9 @@ DEFAULT_MAX_PENDING_PER_SOURCE = 4
 #: Authenticated connections a server keeps at once.
 DEFAULT_MAX_CONNECTIONS = 64
 _MAX_NODE_ID = 256
+#: Seconds ``close`` gives its goodbye frame (the send lock, room in the socket buffer);
+#: past it the connection closes without one.
+GOODBYE_WAIT_S = 0.5
 #: Bytes one receive call may take: a decode lap's frame (a few KiB) in one read.
 _RECV_BUFFER = 1 << 16
 
@@ -357,17 +360,29 @@ class Connection:
             return reply
 
     def close(self, reason: str | None = None) -> None:
-        """Say goodbye (best effort) and close the socket. Idempotent."""
+        """Say goodbye (best effort) and close the socket. Idempotent.
+
+        Never waits on the peer: a send blocked in another thread (a peer that stopped
+        reading, a link that went down) is woken by the shutdown and fails, and the goodbye
+        is skipped where it could not leave at once.
+        """
         if self._closed:
             return
-        if reason is not None:
-            with contextlib.suppress(Exception):
-                self.send(Message(Kind.CLOSE, {FieldTag.META: {"reason": reason}}))
-        with self._send_lock:
-            self._closed = True
+        if reason is not None and self._send_lock.acquire(timeout=GOODBYE_WAIT_S):
+            try:
+                with contextlib.suppress(Exception):  # none on a socket broken or closed
+                    p = select.poll()
+                    p.register(self._sock, select.POLLOUT)
+                    if p.poll(GOODBYE_WAIT_S * 1000):
+                        header, chunks = encode_frame(Message(Kind.CLOSE, {FieldTag.META: {"reason": reason}}))
+                        _sendmsg_all(self._sock, self._send_seal.seal(header, list(chunks)))
+            finally:
+                self._send_lock.release()
+        self._closed = True  # before the shutdown: its readers see a close, not a failure
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
-        self._sock.close()
+        with self._send_lock:  # the fd outlives every send that used it
+            self._sock.close()
 
     def __enter__(self) -> Connection:
         return self
