@@ -27,10 +27,9 @@ def test_a_minute_of_mixed_traffic_through_faults(real_model_path, tmp_path):
                          capture_output=True, text=True, timeout=900)
     assert out.exists(), res.stderr[-4000:]
     report = json.loads(out.read_text())
-    # Every check holds but the 5 s bound on serving again, which the long run keeps
-    # (docs/experiments.md 21): a recovery that gives a node a window it has not cut
-    # before waits for the cut, about 10 s on this host, and a minute's few faults would
-    # make that a coin toss here. Each fault must still be followed by answers, in 30 s.
+    # Every check holds but the 5 s bound on serving again: that is a speed goal, which the
+    # benchmark's long run keeps (docs/experiments.md 21), and timings on a host shared with
+    # the rest of the test run are not. Each fault must still be followed by answers, in 30 s.
     failed = {k: v for k, v in report["checks"].items() if not v["ok"] and k != "serves_again"}
     assert not failed, json.dumps(failed, indent=1)[:6000]
     assert report["faults"], "no fault was injected"
