@@ -76,6 +76,9 @@ def test_transport_bench(tiny) -> None:
                   "sealed_decode_encode_us", "plain_decode_encode_us"):
             assert h[k]["median"] > 0, (hop, k)
         assert "sealing_cost_forward_us" in h and h["aead_seal_and_open_us"] > 0
+        inplace = h["open_copy_vs_in_place"]
+        assert inplace["fresh_buffer_us"] > 0
+        assert inplace["in_place_us"] or inplace["in_place_refused"]
     for key, row in out["bytes_per_token_per_hop"].items():
         assert row["q8"] < row["f16"] < row["f32"], key
     for key, err in out["quantization_error"].items():
