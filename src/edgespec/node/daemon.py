@@ -119,10 +119,7 @@ class Node(StageLoop):
         # Connections first: a head finds the node gone, not its stages unloaded.
         self._stop.set()
         self.server.close()
-        for c in list(self._out_conns.values()):
-            c.close("node shutting down")
-        self._out_conns.clear()
-        self._unload()
+        self._unload(goodbye="node shutting down")
 
     def __enter__(self) -> Node:
         return self.start()
@@ -345,15 +342,16 @@ class Node(StageLoop):
         "shard_finish": (ctl.ShardFinish, _op_shard),
     }
 
-    def _unload(self) -> None:
+    def _unload(self, goodbye: str | None = None) -> None:
         # The links to next nodes go first: they belong to the plan being dropped (linking
         # dials afresh), and a stage blocked sending to a node that stopped reading (its link
         # down, the reason for this re-plan) must fail now, not when that node comes back.
+        # A re-plan says no goodbye: ``close`` would wait for such a stage's send lock.
         with self._lock:
             held, self.hosted = list(self.hosted.values()), {}
             links, self._out_conns = list(self._out_conns.values()), {}
         for conn in links:
-            conn.close()
+            conn.close(goodbye)
         for hosted in held:
             hosted.stop()
             if hosted.thread is not None:
