@@ -1,8 +1,17 @@
-"""Shared fixtures. The real model is assembled once per machine (cached) and loaded lazily."""
+"""Shared fixtures. The real model is assembled once per machine (cached) and loaded lazily.
+
+The run has a home of its own (``EDGESPEC_HOME``, inherited by every process it starts): the
+windows it cuts, the nodes' received shards and the heads' state stay out of the user's cache.
+Its ``models`` folder is the user's model cache, linked, so a model is assembled once per
+machine. The windows cut in a module are removed when the module ends: the whole run cuts
+gigabytes of them, more than a small disk holds at once.
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -37,6 +46,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if reason:
         for item in gpu:
             item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def run_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """This run's EDGESPEC_HOME, its ``models`` the user's model cache (see the module's doc)."""
+    from edgespec.llm import models
+
+    user_models = models.models_dir()
+    user_models.mkdir(parents=True, exist_ok=True)
+    home = tmp_path_factory.mktemp("home")
+    (home / "models").symlink_to(user_models.resolve(), target_is_directory=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("EDGESPEC_HOME", str(home))
+        yield home
+
+
+@pytest.fixture(scope="module", autouse=True)
+def drop_cut_windows(run_home: Path) -> Iterator[None]:
+    """At a module's end, the windows its tests cut in the run's home (see the module's doc)."""
+    yield
+    shutil.rmtree(run_home / "shards", ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

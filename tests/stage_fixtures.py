@@ -5,7 +5,8 @@ Import the fixtures into a test module (``from stage_fixtures import tiny_qwen2 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import shutil
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -42,9 +43,11 @@ def tiny_llama(tiny_dir: Path) -> Path:
     return make_tiny_gguf(tiny_dir / "tiny-llama.gguf", arch="llama", n_layer=4, n_embd=64, seed=1)
 
 
-@pytest.fixture(scope="session")
-def real_shards(real_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[Path]]:
-    """Shard paths of the real model for 2, 3 and 4 windows (see REAL_SPLITS)."""
+@pytest.fixture(scope="module")
+def real_shards(real_model_path: Path, tmp_path_factory: pytest.TempPathFactory
+                ) -> Iterator[dict[int, list[Path]]]:
+    """Shard paths of the real model for 2, 3 and 4 windows (see REAL_SPLITS), removed when
+    the module ends (1.3 GB)."""
     from edgespec.llm.shards import shard_model
 
     base = tmp_path_factory.mktemp("real-shards")
@@ -52,7 +55,8 @@ def real_shards(real_model_path: Path, tmp_path_factory: pytest.TempPathFactory)
     four = shard_model(real_model_path, base / "four", ranges=REAL_SPLITS[4], progress=False)
     p2 = two.shard_paths(base / "two")
     p4 = four.shard_paths(base / "four")
-    return {2: p2, 3: [p2[0], p4[2], p4[3]], 4: p4}
+    yield {2: p2, 3: [p2[0], p4[2], p4[3]], 4: p4}
+    shutil.rmtree(base, ignore_errors=True)
 
 
 def two_by_two(paths: list[Path], **kw) -> tuple[LocalPipeline, list[StageProcess]]:

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +26,17 @@ from tinygguf import make_tiny_gguf
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="session")
-def tiny(tmp_path_factory) -> dict[str, str]:
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Iterator[dict[str, str]]:
+    """Two tiny models and the benchmarks' home, removed when the module ends (the real
+    model's windows some benchmarks cut there: 0.6 GB)."""
     d = tmp_path_factory.mktemp("bench-smoke")
-    return {"target": str(make_tiny_gguf(d / "target.gguf", "qwen2", n_layer=4, n_embd=64,
-                                         seed=3)),
-            "draft": str(make_tiny_gguf(d / "draft.gguf", "qwen2", n_layer=2, n_embd=64,
-                                        seed=4)),
-            "home": str(d / "home")}
+    yield {"target": str(make_tiny_gguf(d / "target.gguf", "qwen2", n_layer=4, n_embd=64,
+                                        seed=3)),
+           "draft": str(make_tiny_gguf(d / "draft.gguf", "qwen2", n_layer=2, n_embd=64,
+                                       seed=4)),
+           "home": str(d / "home")}
+    shutil.rmtree(d, ignore_errors=True)
 
 
 def bench(tiny: dict[str, str], name: str, *args: str, timeout: float = 180) -> str:

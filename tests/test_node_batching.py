@@ -13,6 +13,7 @@ other requests waiting in a stage's inbox run as ONE llama.cpp batch, then go on
 
 from __future__ import annotations
 
+import shutil
 import threading
 from pathlib import Path
 
@@ -416,6 +417,7 @@ def real_ring(real_model_path, tmp_path_factory):
     finally:
         for n in nodes:
             n.stop()
+        shutil.rmtree(work, ignore_errors=True)  # the nodes' received shards (1 GB)
 
 
 def test_node_processes_merge_and_report(real_ring, real_model_path) -> None:
